@@ -1,0 +1,195 @@
+// nvrar._C: the module definition only. Raw pointers, counts and dtype/op codes in; no torch
+// headers, so the module builds in seconds against any torch (or none). Python wraps it
+// (nvrar/communicator.py); the signatures are listed in nvrar/_C.pyi.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "cpu/executor.h"
+#include "cpu/reduce_kernels.h"
+#include "protocol/plan.h"
+#include "protocol/types.h"
+
+namespace py = pybind11;
+using namespace nvrar;
+
+namespace nvrar {
+void register_cuda(py::module_& m);  // cuda/bindings_cuda.cpp, or the stub in cpu_only.cpp
+}
+
+namespace {
+
+const char* kind_name(ProtocolError::Kind k) {
+  switch (k) {
+    case ProtocolError::Kind::kTimeout: return "timeout";
+    case ProtocolError::Kind::kMismatch: return "mismatch";
+    case ProtocolError::Kind::kPeerAbort: return "peer-abort";
+    case ProtocolError::Kind::kViolation: return "violation";
+  }
+  return "unknown";
+}
+
+// Raise the Python exception class `cls` of nvrar.errors with a message and keyword fields.
+void raise_python(const char* cls, const char* msg, const py::dict& fields) {
+  py::object type = py::module_::import("nvrar.errors").attr(cls);
+  py::object exc = type(msg, **fields);
+  PyErr_SetObject(type.ptr(), exc.ptr());
+}
+
+void translate(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const ProtocolError& e) {
+    py::dict f;
+    f["rank"] = e.rank;
+    f["peer"] = e.peer;
+    f["phase"] = phase_name(e.phase);
+    f["step"] = e.step;
+    f["epoch"] = e.epoch;
+    f["observed"] = e.observed;
+    f["kind"] = kind_name(e.kind);
+    raise_python(e.is_timeout() ? "NvrarTimeoutError" : "NvrarError", e.what(), f);
+  } catch (const Error& e) {
+    raise_python("NvrarError", e.what(), py::dict());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "nvrar native core (see nvrar/_C.pyi)";
+  py::register_exception_translator(&translate);
+
+  py::class_<CpuExecutor>(m, "CpuExecutor")
+      .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
+                       size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed) {
+             CpuConfig c;
+             c.rank = rank;
+             c.world = world;
+             c.ranks_per_node = ranks_per_node;
+             c.max_bytes = max_bytes;
+             c.pool_bytes = pool_bytes;
+             c.oneshot_max_bytes = oneshot_max_bytes;
+             c.timeout_s = timeout_s;
+             c.jitter_us = jitter_us;
+             c.jitter_seed = jitter_seed;
+             return new CpuExecutor(c);
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
+           py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us") = 0.0,
+           py::arg("jitter_seed") = 0)
+      .def_property_readonly("segment_name", &CpuExecutor::segment_name)
+      .def("attach", &CpuExecutor::attach, py::arg("names"))
+      .def("unlink_segment", &CpuExecutor::unlink_segment)
+      .def(
+          "all_reduce",
+          [](CpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int variant) {
+            ex.all_reduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+                          static_cast<DType>(dtype), static_cast<RedOp>(op), static_cast<Variant>(variant));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+          py::arg("variant") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("resolve",
+           [](const CpuExecutor& ex, int variant, size_t bytes) {
+             return static_cast<int>(ex.resolve(static_cast<Variant>(variant), bytes));
+           })
+      .def_property_readonly("pool_address", [](const CpuExecutor& ex) { return reinterpret_cast<uintptr_t>(ex.pool_base()); })
+      .def_property_readonly("pool_bytes", &CpuExecutor::pool_bytes)
+      .def("pool_view",
+           [](const CpuExecutor& ex) {
+             return py::memoryview::from_memory(static_cast<void*>(ex.pool_base()),
+                                                static_cast<py::ssize_t>(ex.pool_bytes()), false);
+           })
+      .def_property_readonly("epoch", &CpuExecutor::epoch)
+      .def_property_readonly("failed", &CpuExecutor::failed)
+      .def_property_readonly("failure", &CpuExecutor::failure)
+      .def_property_readonly("max_bytes", [](const CpuExecutor& ex) { return ex.config().max_bytes; })
+      .def_property_readonly("segment_bytes", [](const CpuExecutor& ex) { return ex.segment_layout().total_bytes; })
+      .def("close", &CpuExecutor::close);
+
+  // The plan, for the symbolic tests and for diagnostics.
+  m.def("shard_range",
+        [](size_t count, int elem_size, int G, int g) {
+          Range r = shard_range(count, elem_size, G, g);
+          return py::make_tuple(r.begin, r.end);
+        },
+        py::arg("count"), py::arg("elem_size"), py::arg("ranks_per_node"), py::arg("local"));
+  m.def("inter_schedule",
+        [](int N, int node) {
+          InterSchedule s = InterSchedule::make(N, node);
+          py::list steps;
+          for (int i = 0; i < s.num_steps(); ++i) {
+            InterStep st = s.step(i);
+            py::dict d;
+            d["partner"] = st.partner;
+            d["send"] = st.send;
+            d["recv"] = st.recv;
+            d["combine"] = st.combine;
+            d["mine_first"] = st.mine_first;
+            d["slot"] = st.slot;
+            steps.append(d);
+          }
+          return steps;
+        },
+        py::arg("num_nodes"), py::arg("node"));
+  m.def("inter_final_slot", [](int N, int node) { return InterSchedule::make(N, node).final_slot(); });
+  m.def("inter_num_slots", [](int N) { return InterSchedule::num_slots_for(N); });
+  m.def("segment_layout",
+        [](int G, int N, size_t max_bytes, size_t min_zone_bytes, size_t pool_bytes, size_t cell_stride) {
+          SegmentLayout L = SegmentLayout::make(G, N, max_bytes, min_zone_bytes, pool_bytes, cell_stride);
+          py::dict d;
+          py::list ready, fin, inter, zones;
+          for (int p = 0; p < 2; ++p) {
+            py::list r, f, c, z;
+            for (int h = 0; h < G; ++h) {
+              r.append(L.ready_cell(p, h));
+              f.append(L.final_cell(p, h));
+            }
+            for (int s = 0; s < L.S; ++s) {
+              c.append(L.inter_cell(p, s));
+              z.append(L.zone(p, s));
+            }
+            ready.append(r);
+            fin.append(f);
+            inter.append(c);
+            zones.append(z);
+          }
+          d["abort_cell"] = L.abort_cell();
+          d["ready_cells"] = ready;
+          d["final_cells"] = fin;
+          d["inter_cells"] = inter;
+          d["zones"] = zones;
+          d["staging"] = py::make_tuple(L.staging(0), L.staging(1));
+          d["result"] = py::make_tuple(L.result(0), L.result(1));
+          d["staging_bytes"] = L.staging_bytes;
+          d["zone_bytes"] = L.zone_bytes;
+          d["pool_off"] = L.pool_off;
+          d["pool_bytes"] = L.pool_bytes;
+          d["cell_stride"] = L.cell_stride;
+          d["total_bytes"] = L.total_bytes;
+          return d;
+        },
+        py::arg("ranks_per_node"), py::arg("num_nodes"), py::arg("max_bytes"), py::arg("min_zone_bytes"),
+        py::arg("pool_bytes"), py::arg("cell_stride") = 64);
+  m.def("call_signature", &call_signature, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("variant"));
+  m.def("flag_word", &flag_word, py::arg("epoch"), py::arg("sig"));
+
+  // The host reduction kernels on their own, to test their arithmetic against a reference.
+  m.def(
+      "reduce_into",
+      [](uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t n, int dtype, int op, int world) {
+        NVRAR_CHECK(!srcs.empty(), "reduce_into: no sources");
+        std::vector<const void*> p(srcs.size());
+        for (size_t i = 0; i < srcs.size(); ++i) p[i] = reinterpret_cast<const void*>(srcs[i]);
+        cpu_reduce_fn(static_cast<DType>(dtype), static_cast<RedOp>(op))(
+            reinterpret_cast<void*>(dst), p.data(), static_cast<int>(p.size()), n,
+            make_scale(static_cast<RedOp>(op), world));
+      },
+      py::arg("dst"), py::arg("srcs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("world") = 1);
+
+  register_cuda(m);
+}

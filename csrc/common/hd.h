@@ -1,0 +1,24 @@
+// Host/device portability macros shared by every header that the CPU executor and the CUDA
+// kernels both compile.
+#pragma once
+
+#if defined(__CUDACC__)
+#define NVRAR_HD __host__ __device__ __forceinline__
+#define NVRAR_DEVICE_CODE 1
+#else
+#define NVRAR_HD inline
+#define NVRAR_DEVICE_CODE 0
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define NVRAR_ON_DEVICE 1
+#else
+#define NVRAR_ON_DEVICE 0
+#endif
+
+#include <cstddef>
+
+namespace nvrar {
+NVRAR_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+NVRAR_HD size_t ceil_div(size_t x, size_t y) { return (x + y - 1) / y; }
+}  // namespace nvrar

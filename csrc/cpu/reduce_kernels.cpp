@@ -1,0 +1,63 @@
+#include "reduce_kernels.h"
+
+#include "../common/error.h"
+#include "../protocol/slice.h"
+
+// Multiversioned: the loader picks the widest vector ISA this CPU has. Results do not depend on
+// the pick: the element arithmetic is the same IEEE operations in the same order, and the build
+// turns floating-point contraction off.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define NVRAR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define NVRAR_CLONES
+#endif
+
+namespace nvrar {
+
+namespace {
+
+// Host vector tile: 64 elements per step, a length the compiler vectorizes for every ISA.
+constexpr int kHostVec = 64;
+
+template <typename T, typename Op>
+void reduce_impl(void* dst, const void* const* src, int nsrc, size_t n, Scale sc) {
+  reduce_slice<kHostVec>(SoloGroup{}, static_cast<T*>(dst), reinterpret_cast<const T* const*>(src), nsrc, n,
+                         Op{}, sc);
+}
+
+#define NVRAR_DEFINE_REDUCE(NAME, T, OP)                                                  \
+  NVRAR_CLONES void NAME(void* dst, const void* const* src, int nsrc, size_t n, Scale sc) { \
+    reduce_impl<T, OP>(dst, src, nsrc, n, sc);                                            \
+  }
+
+NVRAR_DEFINE_REDUCE(reduce_f32_sum, float, OpSum)
+NVRAR_DEFINE_REDUCE(reduce_f32_max, float, OpMax)
+NVRAR_DEFINE_REDUCE(reduce_f32_min, float, OpMin)
+NVRAR_DEFINE_REDUCE(reduce_f16_sum, f16, OpSum)
+NVRAR_DEFINE_REDUCE(reduce_f16_max, f16, OpMax)
+NVRAR_DEFINE_REDUCE(reduce_f16_min, f16, OpMin)
+NVRAR_DEFINE_REDUCE(reduce_bf16_sum, bf16, OpSum)
+NVRAR_DEFINE_REDUCE(reduce_bf16_max, bf16, OpMax)
+NVRAR_DEFINE_REDUCE(reduce_bf16_min, bf16, OpMin)
+NVRAR_DEFINE_REDUCE(reduce_i32_sum, int32_t, OpSum)
+NVRAR_DEFINE_REDUCE(reduce_i32_max, int32_t, OpMax)
+NVRAR_DEFINE_REDUCE(reduce_i32_min, int32_t, OpMin)
+
+#undef NVRAR_DEFINE_REDUCE
+
+}  // namespace
+
+ReduceFn cpu_reduce_fn(DType dtype, RedOp op) {
+  static const ReduceFn table[4][3] = {
+      {reduce_f32_sum, reduce_f32_max, reduce_f32_min},
+      {reduce_f16_sum, reduce_f16_max, reduce_f16_min},
+      {reduce_bf16_sum, reduce_bf16_max, reduce_bf16_min},
+      {reduce_i32_sum, reduce_i32_max, reduce_i32_min},
+  };
+  int d = static_cast<int>(dtype);
+  int o = op == RedOp::kAvg ? 0 : static_cast<int>(op);
+  NVRAR_CHECK(d >= 0 && d < 4 && o >= 0 && o < 3, "unsupported dtype/op code ", d, "/", static_cast<int>(op));
+  return table[d][o];
+}
+
+}  // namespace nvrar

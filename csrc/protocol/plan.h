@@ -1,0 +1,328 @@
+// The NVRAR plan: who reduces what, who sends to whom, and where every slot and flag lives for
+// a given epoch. Pure code, no I/O, usable from host and device; the CPU executor
+// (csrc/cpu/executor.cpp), the CUDA kernels and the symbolic tests (tests/test_plan.py, through
+// the bindings) all follow this one header.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/hd.h"
+
+namespace nvrar {
+
+// NOTE [epoch protocol]
+// =====================
+// Ranks: W = N nodes x G ranks per node, rank = node * G + local. One protocol *round* reduces one
+// chunk of at most `max_bytes`; a call on more data runs several rounds. Round e (e = 1, 2, ...) is
+// the e-th round this rank ever ran on this communicator; every rank runs the same sequence of
+// rounds, so e names the same round everywhere. Epochs only increase; nothing is ever reset.
+//
+// Variants (chosen identically on every rank, see nvrar/selector.py):
+//   two-shot:  stage-in -> intra-node reduce-scatter (local rank g reduces shard g) -> inter-node
+//              recursive doubling of shard g among the N ranks with local index g -> all-gather.
+//   one-shot:  stage-in -> every rank reduces the whole chunk from all G local peers -> inter-node
+//              recursive doubling of the whole chunk -> copy out. No all-gather.
+//
+// Memory. Each rank owns one segment of the symmetric heap, laid out identically on every rank
+// (SegmentLayout). Slots that peers read or write:
+//   staging[p]   my staged input (whole chunk); read by local peers in the reduce phase.
+//   result[p]    my intra-node result (shard g, or whole chunk for one-shot); read by my own
+//                inter-node sends and, when N == 1, by local peers in the all-gather.
+//   zone[p][s]   landing zone of inter-node step s, written by exactly one remote partner per round
+//                (put), then combined in place by me; read by my next send and, when it holds my
+//                final shard, by local peers in the all-gather.
+//   user data    a zero-copy input living in my pool (Communicator.empty): read by local peers in
+//                the reduce phase, written by me in the all-gather when the call is in place.
+// with p = e % 2 (parity). Flags, each a 64-bit word in a cell of the *receiver's* segment (a
+// sender "pushes" a flag, so every rank polls only its own memory):
+//   ready[p][h]  local peer h staged its input for round e   (aux: byte offset of h's input)
+//   final[p][h]  local peer h holds its final shard of round e (aux: byte offset of that shard)
+//   inter[p][s]  my partner of step s put its data into my zone[p][s]
+//   abort        some rank failed; aux names it (never cleared: the communicator is dead)
+// A flag word is (epoch << 16) | signature, signature being a 16-bit hash of the call (count, dtype,
+// op, variant). A sender writes the slot's data, then stores the word with release semantics; a
+// receiver waits with acquire loads until word >= (e << 16) (so epoch >= e), then checks that the
+// epoch is exactly e and the signature equals its own: a mismatch is a call mismatch between ranks,
+// an epoch > e a protocol violation; both abort instead of using the data.
+//
+// Why parity slots are enough. Write "A(e) -> B(e')" for "A cannot pass point X of round e before B
+// reached point Y of round e'". Three facts hold for every rank r:
+//   (F1) r starts round e+1 only after finishing round e (rounds are sequential per rank).
+//   (F2) r finishes round e only after receiving every flag it waits for in round e, and every
+//        such flag was stored after its sender had finished reading everything of r that it
+//        reads in round e (see the per-slot list below) -- except the zone reads, covered by F3.
+//   (F3) each inter-node step is a rendezvous: r's partner in step s of round e+1 receives r's
+//        data of round e+1, which r sends only after its own reduce phase of e+1, which needs the
+//        ready(e+1) flag of every local peer of r, which each peer stores only after finishing
+//        round e (F1), including its all-gather reads of r's slots.
+// A slot of parity p is written in rounds e and e+2 only. Take any writer w of a slot of rank r
+// and any reader x of it in round e; we need: x finished reading before w writes in round e+2.
+//   staging[p] of r: writer r (stage-in e+2); readers: local peers of r (reduce phase of e). r
+//     stages e+2 only after round e+1's reduce phase, which waited for ready(e+1) of every local
+//     peer; a peer stores ready(e+1) only after finishing round e (F1).
+//   result[p] of r: writer r (reduce phase of e+2); readers: r itself (its sends in e: done, F1) and
+//     local peers (all-gather of e when N == 1): same argument as staging, one phase later.
+//   zone[p][s] of r: writer: r's step-s partner q in e+2, and r (combine, in e+2, after q's put).
+//     Readers: r (send of the next step in e: done, F1) and r's local peers (all-gather of e).
+//     q puts in e+2 only after finishing e+1 (F1), which needed r's step-s data of e+1 (every step
+//     kind is a rendezvous or a chain ending at q: fold-in senders wait for the fold-out reply of
+//     their receiver, fold-out senders first got the fold-in of their receiver), and by F3 every
+//     local peer of r had finished round e by then.
+//   flags: a flag cell of parity p is stored once per round e, e+2, ...; its one receiver consumed
+//     the round-e value before the sender can store round e+2's, by the same three arguments (the
+//     sender of ready(e+2)/final(e+2)/inter(e+2) is past round e+1, which needed the receiver's own
+//     round-(e+1) flags, stored after the receiver finished round e). So the receiver never sees an
+//     epoch above e in a parity-p cell while it waits in round e; if it does, it is a violation.
+//   user data of r (zero-copy, not parity-indexed): readers: local peer h reads shard h in the
+//     two-shot reduce phase of e; writer: r's all-gather of e (in place) and the user after the
+//     call returns. r writes shard h only after final(e) from h, stored after h's reduce phase;
+//     r returns only after every local peer's final(e). The one-shot variant never reads a user
+//     buffer of a peer: it always stages, since there all-gather flags do not exist.
+// Deadlines: every wait above is bounded (NVRAR_TIMEOUT_S). On expiry, on a mismatch or a
+// violation, the rank writes an abort record into every peer's abort cell and raises; a waiting
+// rank that sees its abort cell set raises too. A failed communicator stays failed: no later round
+// can run on slots whose state is unknown. Nothing is ever read from a slot whose flag did not
+// match exactly, so a failure is never wrong data.
+// Determinism: shard g is reduced by exactly one rank per node, in local-rank order h = 0..G-1
+// with fp32 accumulation for 16-bit types; every inter-node combine evaluates op(lower node's
+// operand, higher node's operand) and both partners of an exchange evaluate the same expression;
+// fold-out copies a finished result. So every rank ends with the same bits.
+
+constexpr int kAlignBytes = 16;       // shard bounds and chunk starts keep 16-byte alignment (GPU vector loads)
+constexpr int kSigBits = 16;          // low bits of a flag word: call signature
+constexpr uint64_t kSigMask = (uint64_t{1} << kSigBits) - 1;
+constexpr int kMaxInterSteps = 31;    // log2 of the largest node count we can address
+
+NVRAR_HD uint64_t flag_word(uint64_t epoch, uint32_t sig) { return (epoch << kSigBits) | (sig & kSigMask); }
+NVRAR_HD uint64_t flag_epoch(uint64_t word) { return word >> kSigBits; }
+NVRAR_HD uint32_t flag_sig(uint64_t word) { return static_cast<uint32_t>(word & kSigMask); }
+
+// Position of one rank in the node-major layout.
+struct Layout {
+  int world;  // W
+  int G;      // ranks per node
+  int N;      // nodes
+  int rank;
+  int node;
+  int local;
+
+  NVRAR_HD static Layout make(int world, int ranks_per_node, int rank) {
+    Layout l;
+    l.world = world;
+    l.G = ranks_per_node;
+    l.N = world / ranks_per_node;
+    l.rank = rank;
+    l.node = rank / ranks_per_node;
+    l.local = rank % ranks_per_node;
+    return l;
+  }
+  NVRAR_HD int rank_of(int node_, int local_) const { return node_ * G + local_; }
+};
+
+// Element range [begin, end) of shard g when `count` elements of `elem_size` bytes are cut into G
+// shards: equal sizes rounded up to 16 bytes; the last shards may be short or empty.
+struct Range {
+  size_t begin;
+  size_t end;
+  NVRAR_HD size_t size() const { return end - begin; }
+};
+
+NVRAR_HD size_t shard_elems(size_t count, int elem_size, int G) {
+  size_t per = ceil_div(count, static_cast<size_t>(G));
+  size_t a = static_cast<size_t>(kAlignBytes / elem_size);
+  return align_up(per, a);
+}
+
+NVRAR_HD Range shard_range(size_t count, int elem_size, int G, int g) {
+  size_t ss = shard_elems(count, elem_size, G);
+  size_t b = ss * static_cast<size_t>(g);
+  size_t e = b + ss;
+  Range r;
+  r.begin = b < count ? b : count;
+  r.end = e < count ? e : count;
+  return r;
+}
+
+// Inter-node recursive doubling with fold-in / fold-out, for any N >= 1.
+//   Np = largest power of two <= N, K = log2(Np).
+//   Node n >= Np: send to n - Np (slot kFoldIn), then receive the result back (slot kFoldOut).
+//   Node n < Np: if n + Np < N, receive n + Np's data (slot kFoldIn) and combine; then for
+//   k = 0..K-1 exchange with n ^ 2^k (slot 1 + k) and combine; then send the result to n + Np
+//   (slot kFoldOut) if it folded one in.
+// Slots 0 (fold-in), 1..K (exchanges), K + 1 (fold-out): K + 2 landing zones per parity.
+struct InterStep {
+  int partner;      // partner node
+  bool send;        // put my accumulator into the partner's zone[send_slot]
+  bool recv;        // wait for my zone[recv_slot]
+  bool combine;     // recv then acc = op(lower node first) into zone[recv_slot]; else acc = zone
+  bool mine_first;  // my operand is the left one (my node is the lower)
+  int slot;         // the zone this step writes at the partner and/or waits for here
+};
+
+struct InterSchedule {
+  int N;
+  int Np;
+  int K;
+  int node;
+
+  NVRAR_HD static InterSchedule make(int num_nodes, int my_node) {
+    InterSchedule s;
+    s.N = num_nodes;
+    s.node = my_node;
+    s.Np = 1;
+    s.K = 0;
+    while (s.Np * 2 <= num_nodes) {
+      s.Np *= 2;
+      s.K += 1;
+    }
+    return s;
+  }
+
+  NVRAR_HD static int num_slots_for(int num_nodes) { return make(num_nodes, 0).K + 2; }
+  NVRAR_HD int num_slots() const { return K + 2; }
+  NVRAR_HD int fold_in_slot() const { return 0; }
+  NVRAR_HD int exchange_slot(int k) const { return 1 + k; }
+  NVRAR_HD int fold_out_slot() const { return K + 1; }
+
+  NVRAR_HD bool folded_out() const { return node >= Np; }              // I am a fold-in sender
+  NVRAR_HD bool has_fold_partner() const { return node < Np && node + Np < N; }
+
+  NVRAR_HD int num_steps() const {
+    if (folded_out()) return 2;
+    return K + (has_fold_partner() ? 2 : 0);
+  }
+
+  NVRAR_HD InterStep step(int i) const {
+    InterStep st;
+    st.send = false;
+    st.recv = false;
+    st.combine = false;
+    st.mine_first = true;
+    if (folded_out()) {
+      st.partner = node - Np;
+      if (i == 0) {
+        st.send = true;
+        st.slot = fold_in_slot();
+      } else {
+        st.recv = true;
+        st.slot = fold_out_slot();
+      }
+      return st;
+    }
+    int k = i;
+    if (has_fold_partner()) {
+      if (i == 0) {
+        st.partner = node + Np;
+        st.recv = true;
+        st.combine = true;
+        st.mine_first = true;  // node < node + Np
+        st.slot = fold_in_slot();
+        return st;
+      }
+      if (i == K + 1) {
+        st.partner = node + Np;
+        st.send = true;
+        st.slot = fold_out_slot();
+        return st;
+      }
+      k = i - 1;
+    }
+    st.partner = node ^ (1 << k);
+    st.send = true;
+    st.recv = true;
+    st.combine = true;
+    st.mine_first = node < st.partner;
+    st.slot = exchange_slot(k);
+    return st;
+  }
+
+  // Where my final result lives after the schedule: -1 = result slot, else the zone index.
+  NVRAR_HD int final_slot() const {
+    int loc = -1;
+    for (int i = 0; i < num_steps(); ++i) {
+      InterStep st = step(i);
+      if (st.recv) loc = st.slot;
+    }
+    return loc;
+  }
+};
+
+// Byte layout of one rank's segment (identical on every rank of a communicator).
+// Cell indices: 0 abort; then ready[2][G], final[2][G], inter[2][S].
+struct SegmentLayout {
+  int G;
+  int S;                   // zones per parity (InterSchedule::num_slots)
+  size_t cell_stride;      // bytes per flag cell (64 on CPU: no false sharing between writers)
+  size_t header_bytes;     // header + error text
+  size_t cells_off;
+  size_t staging_bytes;    // >= max chunk bytes
+  size_t zone_bytes;       // >= max shard bytes, and >= the one-shot chunk limit
+  size_t staging_off;      // staging[p] at staging_off + p * staging_bytes
+  size_t result_off;       // result[p] at result_off + p * zone_bytes
+  size_t zones_off;        // zone[p][s] at zones_off + (p * S + s) * zone_bytes
+  size_t pool_off;         // user pool (Communicator.empty)
+  size_t pool_bytes;
+  size_t total_bytes;
+
+  static constexpr size_t kPage = 4096;
+
+  NVRAR_HD static SegmentLayout make(int G, int num_nodes, size_t max_bytes, size_t min_zone_bytes,
+                                     size_t pool_bytes, size_t cell_stride) {
+    SegmentLayout L;
+    L.G = G;
+    L.S = InterSchedule::num_slots_for(num_nodes);
+    L.cell_stride = cell_stride;
+    L.header_bytes = kPage;
+    L.cells_off = L.header_bytes;
+    size_t ncells = 1 + 4 * static_cast<size_t>(G) + 2 * static_cast<size_t>(L.S);
+    L.staging_off = align_up(L.cells_off + ncells * cell_stride, kPage);
+    L.staging_bytes = align_up(max_bytes, kPage);
+    // A shard of a max_bytes chunk: ceil(max_bytes / G) rounded up to 16 bytes, plus one element.
+    size_t shard = align_up(ceil_div(max_bytes, static_cast<size_t>(G)) + kAlignBytes, kAlignBytes);
+    size_t zone = shard > min_zone_bytes ? shard : min_zone_bytes;
+    L.zone_bytes = align_up(zone, 256);
+    L.result_off = L.staging_off + 2 * L.staging_bytes;
+    L.zones_off = align_up(L.result_off + 2 * L.zone_bytes, kPage);
+    L.pool_off = align_up(L.zones_off + 2 * static_cast<size_t>(L.S) * L.zone_bytes, kPage);
+    L.pool_bytes = align_up(pool_bytes, kPage);
+    L.total_bytes = L.pool_off + L.pool_bytes;
+    return L;
+  }
+
+  NVRAR_HD size_t abort_cell() const { return cells_off; }
+  NVRAR_HD size_t ready_cell(int parity, int src_local) const {
+    return cells_off + (1 + static_cast<size_t>(parity) * G + src_local) * cell_stride;
+  }
+  NVRAR_HD size_t final_cell(int parity, int src_local) const {
+    return cells_off + (1 + 2 * static_cast<size_t>(G) + static_cast<size_t>(parity) * G + src_local) * cell_stride;
+  }
+  NVRAR_HD size_t inter_cell(int parity, int slot) const {
+    return cells_off + (1 + 4 * static_cast<size_t>(G) + static_cast<size_t>(parity) * S + slot) * cell_stride;
+  }
+  NVRAR_HD size_t staging(int parity) const { return staging_off + static_cast<size_t>(parity) * staging_bytes; }
+  NVRAR_HD size_t result(int parity) const { return result_off + static_cast<size_t>(parity) * zone_bytes; }
+  NVRAR_HD size_t zone(int parity, int slot) const {
+    return zones_off + (static_cast<size_t>(parity) * S + slot) * zone_bytes;
+  }
+  // Offset of the accumulator location `slot` as returned by InterSchedule (-1 = result slot).
+  NVRAR_HD size_t acc_location(int parity, int slot) const { return slot < 0 ? result(parity) : zone(parity, slot); }
+};
+
+// 16-bit call signature carried by every flag: a mismatch between ranks is caught at the first
+// flag they exchange. FNV-1a over the fields, folded to 16 bits; 0 is avoided.
+NVRAR_HD uint32_t call_signature(uint64_t count, int dtype, int op, int variant) {
+  uint64_t h = 1469598103934665603ull;
+  uint64_t fields[4] = {count, static_cast<uint64_t>(dtype), static_cast<uint64_t>(op),
+                        static_cast<uint64_t>(variant)};
+  for (int f = 0; f < 4; ++f) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= (fields[f] >> (8 * b)) & 0xffu;
+      h *= 1099511628211ull;
+    }
+  }
+  uint32_t s = static_cast<uint32_t>((h ^ (h >> 16) ^ (h >> 32) ^ (h >> 48)) & kSigMask);
+  return s == 0 ? 1u : s;
+}
+
+}  // namespace nvrar

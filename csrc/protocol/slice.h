@@ -1,0 +1,124 @@
+// Per-slice work of the NVRAR phases, written once for host and device.
+//
+// Every function takes a thread-group view (my index in the group, the group size) and works on
+// the part of a slice that belongs to this member. The CUDA kernels call them with a block or
+// warp view; the CPU executor calls them with a group of one. How the work is split is the only
+// difference: on the host each member takes one contiguous piece (cache- and prefetch-friendly),
+// on the device members interleave vector by vector (coalesced). The arithmetic of an element
+// does not depend on the split, so results are the same bits either way.
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+
+#include "../common/hd.h"
+#include "types.h"
+
+namespace nvrar {
+
+// A group of one: the CPU executor's view.
+struct SoloGroup {
+  NVRAR_HD int index() const { return 0; }
+  NVRAR_HD int size() const { return 1; }
+};
+
+// A generic group (a CUDA block: index = threadIdx.x, size = blockDim.x; or all threads of a grid).
+struct GroupView {
+  int idx;
+  int n;
+  NVRAR_HD int index() const { return idx; }
+  NVRAR_HD int size() const { return n; }
+};
+
+namespace detail {
+
+// Reduce V consecutive elements at `off` (or `len` < V of them, for a tail): canonical source
+// order 0..nsrc-1, accumulation in acc_t<T>, optional avg scale, one rounding at the store.
+template <int V, bool kFull, typename T, typename Op>
+NVRAR_HD void reduce_vec(T* dst, const T* const* src, int nsrc, size_t off, size_t len, Op op, Scale sc) {
+  acc_t<T> acc[V];
+  const size_t m = kFull ? static_cast<size_t>(V) : len;
+  {
+    const T* p = src[0] + off;
+    for (size_t w = 0; w < m; ++w) acc[w] = load_acc(p[w]);
+  }
+  for (int s = 1; s < nsrc; ++s) {
+    const T* p = src[s] + off;
+    for (size_t w = 0; w < m; ++w) acc[w] = op(acc[w], load_acc(p[w]));
+  }
+  if (sc.active()) {
+    for (size_t w = 0; w < m; ++w) acc[w] = sc.apply(acc[w]);
+  }
+  T* d = dst + off;
+  for (size_t w = 0; w < m; ++w) d[w] = store_acc<T>(acc[w]);
+}
+
+}  // namespace detail
+
+// dst[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i] (left to right), then the avg scale,
+// for i in [0, n). dst may be one of the sources (each element is loaded before it is stored).
+// V: elements per vector (host: a cache-friendly tile the compiler vectorizes; device: 16 bytes).
+template <int V, typename T, typename Op, typename Group>
+NVRAR_HD void reduce_slice(const Group& grp, T* dst, const T* const* src, int nsrc, size_t n, Op op, Scale sc) {
+#if NVRAR_ON_DEVICE
+  const size_t step = static_cast<size_t>(grp.size()) * V;
+  size_t off = static_cast<size_t>(grp.index()) * V;
+  for (; off + V <= n; off += step) detail::reduce_vec<V, true>(dst, src, nsrc, off, V, op, sc);
+  if (off < n) detail::reduce_vec<V, false>(dst, src, nsrc, off, n - off, op, sc);
+#else
+  // Contiguous piece of whole vectors per member; the last member also takes the tail.
+  const size_t nvec = n / V;
+  const size_t per = ceil_div(nvec, static_cast<size_t>(grp.size()));
+  size_t lo = per * static_cast<size_t>(grp.index());
+  size_t hi = lo + per;
+  if (lo > nvec) lo = nvec;
+  if (hi > nvec) hi = nvec;
+  for (size_t v = lo; v < hi; ++v) detail::reduce_vec<V, true>(dst, src, nsrc, v * V, V, op, sc);
+  if (grp.index() == grp.size() - 1 && nvec * V < n)
+    detail::reduce_vec<V, false>(dst, src, nsrc, nvec * V, n - nvec * V, op, sc);
+#endif
+}
+
+// Two-operand combine of the inter-node steps: dst = op(a, b) with a the lower node's operand.
+template <int V, typename T, typename Op, typename Group>
+NVRAR_HD void combine_slice(const Group& grp, T* dst, const T* a, const T* b, size_t n, Op op, Scale sc) {
+  const T* src[2] = {a, b};
+  reduce_slice<V>(grp, dst, src, 2, n, op, sc);
+}
+
+// dst[i] = src[i] for i in [0, nbytes): stage-in, all-gather, fold-out delivery.
+template <typename Group>
+NVRAR_HD void copy_slice(const Group& grp, void* dst, const void* src, size_t nbytes) {
+#if NVRAR_ON_DEVICE
+  // 16-byte words where both ends allow it, bytes otherwise.
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const bool vec = ((reinterpret_cast<size_t>(d) | reinterpret_cast<size_t>(s)) & 15) == 0;
+  size_t done = 0;
+  if (vec) {
+    const size_t nw = nbytes / 16;
+    const uint4* sw = reinterpret_cast<const uint4*>(s);
+    uint4* dw = reinterpret_cast<uint4*>(d);
+    for (size_t i = grp.index(); i < nw; i += grp.size()) dw[i] = sw[i];
+    done = nw * 16;
+  }
+  for (size_t i = done + grp.index(); i < nbytes; i += grp.size()) d[i] = s[i];
+#else
+  const size_t per = ceil_div(nbytes, static_cast<size_t>(grp.size()));
+  size_t lo = per * static_cast<size_t>(grp.index());
+  size_t hi = lo + per;
+  if (lo > nbytes) lo = nbytes;
+  if (hi > nbytes) hi = nbytes;
+  if (hi > lo && dst != src) std::memcpy(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo);
+#endif
+}
+
+// In-place avg scale of a finished slice (used where the last combine could not fuse it).
+template <int V, typename T, typename Group>
+NVRAR_HD void scale_slice(const Group& grp, T* dst, size_t n, Scale sc) {
+  if (!sc.active()) return;
+  const T* src[1] = {dst};
+  reduce_slice<V>(grp, dst, src, 1, n, OpSum{}, sc);
+}
+
+}  // namespace nvrar

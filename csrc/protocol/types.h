@@ -1,0 +1,172 @@
+// Element types, reduction ops and their arithmetic, shared by host and device.
+//
+// Half types (fp16, bf16) are stored as raw 16-bit words and accumulate in fp32; every
+// conversion rounds to nearest even, so the CPU and GPU executors round identically.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "../common/hd.h"
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace nvrar {
+
+// Codes shared with Python (nvrar/_dtypes.py); never renumber.
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3 };
+enum class RedOp : int32_t { kSum = 0, kMax = 1, kMin = 2, kAvg = 3 };
+
+NVRAR_HD int dtype_size(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16 ? 2 : 4; }
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+  }
+  return "?";
+}
+
+inline const char* op_name(RedOp op) {
+  switch (op) {
+    case RedOp::kSum: return "sum";
+    case RedOp::kMax: return "max";
+    case RedOp::kMin: return "min";
+    case RedOp::kAvg: return "avg";
+  }
+  return "?";
+}
+
+// Storage types. Distinct structs so that templates never confuse fp16 with bf16 bits.
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+
+NVRAR_HD uint32_t float_bits(float f) {
+#if NVRAR_ON_DEVICE
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+NVRAR_HD float bits_float(uint32_t u) {
+#if NVRAR_ON_DEVICE
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// bf16 <-> fp32. Round to nearest even; NaN stays a (quiet) NaN.
+NVRAR_HD float to_float(bf16 x) { return bits_float(static_cast<uint32_t>(x.bits) << 16); }
+
+NVRAR_HD bf16 to_bf16(float f) {
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+// fp16 <-> fp32, IEEE binary16 with subnormals, round to nearest even.
+NVRAR_HD float to_float(f16 x) {
+  uint32_t h = x.bits;
+  uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_float(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  if (exp != 0) return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+  // Zero or subnormal: man * 2^-24, exact in fp32.
+  float v = static_cast<float>(man) * 5.9604644775390625e-08f;
+  return sign ? -v : v;
+}
+
+NVRAR_HD f16 to_f16(float f) {
+  uint32_t u = float_bits(f);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return f16{static_cast<uint16_t>(sign | 0x7e00u)};   // NaN
+  if (a >= 0x477ff000u) return f16{static_cast<uint16_t>(sign | 0x7c00u)};  // overflow -> inf
+  if (a < 0x38800000u) {
+    // Result is subnormal or zero: round a * 2^24 to an integer, nearest even.
+    float v = bits_float(a) * 16777216.0f;  // exact: scaling by a power of two
+    uint32_t i = static_cast<uint32_t>(v);
+    float rem = v - static_cast<float>(i);
+    if (rem > 0.5f || (rem == 0.5f && (i & 1u))) ++i;
+    return f16{static_cast<uint16_t>(sign | i)};
+  }
+  // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+  uint32_t r = a - 0x38000000u;  // exponent bias 127 -> 15
+  r += 0xfffu + ((r >> 13) & 1u);
+  return f16{static_cast<uint16_t>(sign | (r >> 13))};
+}
+
+// Accumulator type and conversions: fp32 for floating types, int32 for int32.
+template <typename T> struct Acc { using type = T; };
+template <> struct Acc<f16> { using type = float; };
+template <> struct Acc<bf16> { using type = float; };
+template <typename T> using acc_t = typename Acc<T>::type;
+
+NVRAR_HD float load_acc(float x) { return x; }
+NVRAR_HD int32_t load_acc(int32_t x) { return x; }
+NVRAR_HD float load_acc(f16 x) { return to_float(x); }
+NVRAR_HD float load_acc(bf16 x) { return to_float(x); }
+
+template <typename T> NVRAR_HD T store_acc(acc_t<T> v);
+template <> NVRAR_HD float store_acc<float>(float v) { return v; }
+template <> NVRAR_HD int32_t store_acc<int32_t>(int32_t v) { return v; }
+template <> NVRAR_HD f16 store_acc<f16>(float v) { return to_f16(v); }
+template <> NVRAR_HD bf16 store_acc<bf16>(float v) { return to_bf16(v); }
+
+// Binary ops on accumulators. Floating max/min follow IEEE maxNum/minNum (a NaN operand is
+// ignored), like fmaxf/fminf. Operand order is canonical (lower rank first) at every call site,
+// which is what makes results bitwise identical everywhere even for order-sensitive corner cases.
+struct OpSum {
+  NVRAR_HD float operator()(float a, float b) const { return a + b; }
+  // Wrapping int32 addition: defined behaviour, identical on every rank.
+  NVRAR_HD int32_t operator()(int32_t a, int32_t b) const {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+  }
+};
+struct OpMax {
+  NVRAR_HD float operator()(float a, float b) const {
+    return (b > a || a != a) ? b : a;  // NaN in a -> b; NaN in b -> a (comparison false)
+  }
+  NVRAR_HD int32_t operator()(int32_t a, int32_t b) const { return b > a ? b : a; }
+};
+struct OpMin {
+  NVRAR_HD float operator()(float a, float b) const { return (b < a || a != a) ? b : a; }
+  NVRAR_HD int32_t operator()(int32_t a, int32_t b) const { return b < a ? b : a; }
+};
+
+// The post-reduction scale of avg: multiply by 1/W in fp32; integer avg divides, truncating
+// toward zero (like C).
+struct Scale {
+  float inv;     // 1/W, used by floating types
+  int32_t div;   // W, used by int32; 1 or 0 disables scaling
+  NVRAR_HD bool active() const { return div > 1; }
+  NVRAR_HD float apply(float v) const { return v * inv; }
+  NVRAR_HD int32_t apply(int32_t v) const { return v / div; }
+};
+
+NVRAR_HD Scale make_scale(RedOp op, int world) {
+  Scale s;
+  if (op == RedOp::kAvg && world > 1) {
+    s.inv = 1.0f / static_cast<float>(world);
+    s.div = world;
+  } else {
+    s.inv = 1.0f;
+    s.div = 1;
+  }
+  return s;
+}
+
+}  // namespace nvrar

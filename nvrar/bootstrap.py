@@ -1,0 +1,278 @@
+"""How the ranks of a Communicator find each other.
+
+A bootstrap knows this process's rank and the world size, and offers an all-gather of small
+byte strings and a barrier, each bounded by a deadline. Chosen in this order:
+
+1. the torch.distributed process group passed as ``group`` (or an mpi4py communicator);
+2. the default torch.distributed group, when torch.distributed is initialized;
+3. ``MPI.COMM_WORLD`` when the process was started by mpirun / mpiexec / srun (mpi4py);
+4. torchrun-style environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), through a
+   small TCP store (rank 0 serves it for the rendezvous; under torchrun, the agent's store);
+5. a single rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, List, Optional
+
+from .errors import NvrarError, NvrarTimeoutError
+
+__all__ = ["Bootstrap", "create", "launcher_local_size", "mpi_launched"]
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def mpi_launched() -> bool:
+    """True when an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx) started this process."""
+    if any(k in os.environ for k in _MPI_ENV):
+        return True
+    return "SLURM_STEP_ID" in os.environ and _int_env("SLURM_NTASKS", 1) > 1
+
+
+def _int_env(name: str, default: Optional[int] = None) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    digits = ""
+    for ch in raw:  # SLURM writes forms like "4(x2)"
+        if not ch.isdigit():
+            break
+        digits += ch
+    return int(digits) if digits else default
+
+
+def launcher_local_size() -> Optional[int]:
+    """Ranks per node as the launcher states it, if it does."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        value = _int_env(name)
+        if value:
+            return value
+    return None
+
+
+def _launcher_world_size() -> Optional[int]:
+    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        value = _int_env(name)
+        if value:
+            return value
+    return None
+
+
+class Bootstrap:
+    """Base class: rank, world size, all-gather and barrier with deadlines."""
+
+    kind = "base"
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+
+    @property
+    def launcher_local_size(self) -> Optional[int]:
+        """The launcher's ranks per node, when this bootstrap spans the launcher's whole world."""
+        if self.world_size == _launcher_world_size():
+            return launcher_local_size()
+        return None
+
+    def allgather(self, value: bytes) -> List[bytes]:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        self.allgather(b"")
+
+    def close(self) -> None:
+        pass
+
+
+class SingleBootstrap(Bootstrap):
+    kind = "single"
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(0, 1, timeout)
+
+    def allgather(self, value: bytes) -> List[bytes]:
+        return [value]
+
+
+class TorchBootstrap(Bootstrap):
+    """Over a torch.distributed group (its own timeout bounds these calls)."""
+
+    kind = "torch"
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
+
+    @property
+    def launcher_local_size(self) -> Optional[int]:
+        if self.world_size == self._dist.get_world_size():
+            return super().launcher_local_size
+        return None
+
+    def allgather(self, value: bytes) -> List[bytes]:
+        out: List[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, value, group=self._group)
+        return [bytes(v) for v in out]
+
+
+class MPIBootstrap(Bootstrap):
+    """Over an mpi4py communicator, with non-blocking collectives polled against the deadline."""
+
+    kind = "mpi"
+
+    def __init__(self, comm: Any, timeout: float) -> None:
+        self._comm = comm
+        super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
+
+    def _wait(self, req: Any, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        delay = 1e-5
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise NvrarTimeoutError(
+                    f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s in MPI {what}; some rank never arrived",
+                    rank=self.rank, phase="bootstrap", kind="timeout",
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def allgather(self, value: bytes) -> List[bytes]:
+        import numpy as np
+
+        n = self.world_size
+        lens = np.empty(n, dtype=np.int64)
+        self._wait(self._comm.Iallgather(np.array([len(value)], dtype=np.int64), lens), "all-gather of sizes")
+        width = max(1, int(lens.max()))
+        send = np.zeros(width, dtype=np.uint8)
+        send[: len(value)] = np.frombuffer(value, dtype=np.uint8)
+        recv = np.empty(n * width, dtype=np.uint8)
+        self._wait(self._comm.Iallgather(send, recv), "all-gather")
+        return [recv[i * width: i * width + int(lens[i])].tobytes() for i in range(n)]
+
+    def barrier(self) -> None:
+        self._wait(self._comm.Ibarrier(), "barrier")
+
+    @property
+    def launcher_local_size(self) -> Optional[int]:
+        from mpi4py import MPI
+
+        if self._comm == MPI.COMM_WORLD or self.world_size == _launcher_world_size():
+            return super().launcher_local_size
+        return None
+
+
+class _TorchStoreAdapter:
+    """torchrun's agent store (a torch TCPStore) behind the StoreClient interface."""
+
+    def __init__(self, host: str, port: int, timeout: float, rank: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self._rank = rank
+        try:
+            self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                                        wait_for_workers=False)
+        except Exception as exc:  # torch raises RuntimeError/DistStoreError variants
+            raise NvrarTimeoutError(f"bootstrap: rank {rank} could not reach torchrun's store at {host}:{port}: {exc}",
+                                    rank=rank, peer=0, phase="bootstrap", kind="timeout") from None
+
+    def set(self, key: bytes, value: bytes) -> None:
+        self._store.set(key.decode(), value)
+
+    def get(self, key: bytes, timeout: Optional[float] = None) -> Optional[bytes]:
+        try:
+            return bytes(self._store.get(key.decode()))
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        pass
+
+
+class StoreBootstrap(Bootstrap):
+    """Over a key-value store: nvrar's own TCP store, or torchrun's agent store."""
+
+    kind = "env"
+    _sequence = 0  # rendezvous counter: every rank creates communicators in the same order
+
+    def __init__(self, rank: int, world_size: int, host: str, port: int, timeout: float) -> None:
+        super().__init__(rank, world_size, timeout)
+        from ._store import StoreClient, StoreServer
+
+        StoreBootstrap._sequence += 1
+        self._prefix = f"nvrar/{StoreBootstrap._sequence}"
+        self._round = 0
+        self._server = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            self._client: Any = _TorchStoreAdapter(host, port, timeout, rank)
+        else:
+            if rank == 0:
+                self._server = StoreServer(host, port, expected_clients=world_size, timeout=timeout)
+            self._client = StoreClient(host, port, timeout, rank)
+
+    def allgather(self, value: bytes) -> List[bytes]:
+        self._round += 1
+        base = f"{self._prefix}/{self._round}/".encode()
+        self._client.set(base + str(self.rank).encode(), value)
+        deadline = time.monotonic() + self.timeout
+        out = []
+        for r in range(self.world_size):
+            got = self._client.get(base + str(r).encode(), max(0.0, deadline - time.monotonic()))
+            if got is None:
+                raise NvrarTimeoutError(
+                    f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s for rank {r} at rendezvous round "
+                    f"{self._round}; rank {r} never arrived (dead, or launched with other RANK/WORLD_SIZE?)",
+                    rank=self.rank, peer=r, phase="bootstrap", step=self._round, kind="timeout",
+                )
+            out.append(got)
+        return out
+
+    def close(self) -> None:
+        self._client.close()
+        if self._server is not None:
+            self._server.wait_closed(self.timeout)
+            self._server = None
+
+
+def _is_mpi_comm(obj: Any) -> bool:
+    return type(obj).__module__.startswith("mpi4py")
+
+
+def create(group: Any, timeout: float) -> Bootstrap:
+    """Pick the bootstrap for ``group`` following the order in the module docstring."""
+    if group is not None:
+        if _is_mpi_comm(group):
+            return MPIBootstrap(group, timeout)
+        return TorchBootstrap(group, timeout)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return TorchBootstrap(dist.group.WORLD, timeout)
+    if mpi_launched():
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise NvrarError(
+                f"this process was started by an MPI launcher (world size {_launcher_world_size()}), but mpi4py "
+                "is not installed; `pip install mpi4py` (or nvrar[mpi]), or launch with torchrun-style "
+                "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
+            ) from None
+        return MPIBootstrap(MPI.COMM_WORLD, timeout)
+    world = _int_env("WORLD_SIZE")
+    if world is not None and world > 1:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise NvrarError(f"WORLD_SIZE={world} is set but {', '.join(missing)} is not; cannot bootstrap")
+        rank = _int_env("RANK")
+        assert rank is not None
+        if not 0 <= rank < world:
+            raise NvrarError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
+        return StoreBootstrap(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+    return SingleBootstrap(timeout)

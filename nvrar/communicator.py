@@ -1,0 +1,417 @@
+"""The Communicator: a group of ranks that all-reduce together with the NVRAR protocol.
+
+    comm = nvrar.Communicator()            # bootstraps from torch.distributed / MPI / env / single
+    comm.all_reduce(x)                     # in place, numpy array or torch CPU tensor
+    y = comm.empty((4096,), torch.bfloat16)  # lives in the symmetric heap: no stage-in copy
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import socket
+import threading
+import weakref
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _arrays, env, selector
+from . import bootstrap as _bootstrap
+from .errors import NvrarError
+
+__all__ = ["Communicator"]
+
+_DEFAULT_MAX_BYTES = 4 << 20
+_DEFAULT_HEAP_BYTES = 32 << 20
+_POOL_ALIGN = 256  # bytes; every empty() block starts on this boundary
+
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for comm in list(_live):
+        comm.close()
+
+
+class _Block:
+    """One empty() allocation: its array interface feeds numpy, its lifetime frees the bytes."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class _PoolAllocator:
+    """First-fit allocator over the zero-copy pool (offsets in bytes)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: List[Tuple[int, int]] = [(0, size)]  # sorted (offset, length)
+        self._lock = threading.Lock()
+        self.live = 0
+
+    def alloc(self, nbytes: int) -> Optional[int]:
+        need = max(_POOL_ALIGN, (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN)
+        with self._lock:
+            for i, (off, length) in enumerate(self._free):
+                if length >= need:
+                    if length == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + need, length - need)
+                    self.live += 1
+                    return off
+        return None
+
+    def free(self, off: int, nbytes: int) -> None:
+        need = max(_POOL_ALIGN, (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN)
+        with self._lock:
+            self._free.append((off, need))
+            self._free.sort()
+            merged: List[Tuple[int, int]] = []
+            for o, n in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((o, n))
+            self._free = merged
+            self.live -= 1
+
+    def largest_free(self) -> int:
+        with self._lock:
+            return max((n for _, n in self._free), default=0)
+
+
+def _resolve_dtype(dtype: Any) -> Tuple[str, Any, int, int]:
+    """(kind, library dtype, code, itemsize) for empty()."""
+    torch_mod = None
+    try:
+        import sys
+
+        torch_mod = sys.modules.get("torch")
+        if torch_mod is None and isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+            import torch as torch_mod  # noqa: F811 - bfloat16 needs torch
+    except ImportError:
+        torch_mod = None
+    if torch_mod is not None:
+        if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+            dtype = torch_mod.bfloat16
+        if isinstance(dtype, torch_mod.dtype):
+            code = _arrays.torch_dtype_code(dtype)
+            if code is None:
+                raise TypeError(f"empty: dtype {dtype} is not supported; supported: {_arrays.SUPPORTED}")
+            return "torch", dtype, code, _arrays.ELEMENT_SIZE[code]
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        raise TypeError("empty: bfloat16 needs torch (pip install torch); numpy has no bfloat16")
+    try:
+        npd = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"empty: {dtype!r} is not a dtype; supported: {_arrays.SUPPORTED}") from None
+    code = _arrays.numpy_dtype_code(npd)
+    if code is None:
+        raise TypeError(f"empty: dtype {npd} is not supported; supported: {_arrays.SUPPORTED}")
+    return "numpy", npd, code, npd.itemsize
+
+
+class Communicator:
+    """A communicator over which every rank calls the same collectives in the same order.
+
+    Args:
+        group: a torch.distributed process group or an mpi4py communicator. Default: the default
+            torch.distributed group when initialized, else MPI.COMM_WORLD under mpirun/srun, else
+            torchrun-style environment variables, else a single rank.
+        ranks_per_node: ranks per node (G). Default: the launcher's local size, or the number of
+            ranks on this host. A smaller value emulates several nodes on one host, so that the
+            inter-node recursive doubling runs for real.
+        max_bytes: largest chunk one protocol round reduces (bytes; ``NVRAR_MAX_BYTES``, 4 MiB).
+            Larger messages are reduced in chunks. Must be equal on every rank.
+        timeout: deadline in seconds of every wait (``NVRAR_TIMEOUT_S``, 60).
+        heap_bytes: size of the zero-copy pool behind :meth:`empty` (``NVRAR_HEAP_BYTES``, 32 MiB).
+        algo: "auto" (default, ``NVRAR_ALGO``), "one-shot" or "two-shot" for every call.
+
+    Collective: every rank of the group must construct it, with the same settings.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        ranks_per_node: Optional[int] = None,
+        max_bytes: Optional[int] = None,
+        timeout: Optional[float] = None,
+        heap_bytes: Optional[int] = None,
+        algo: Optional[str] = None,
+    ) -> None:
+        from . import _C
+
+        self._ex: Any = None
+        self._closed = False
+        timeout = float(timeout) if timeout is not None else (env.get_float("NVRAR_TIMEOUT_S") or 60.0)
+        if not timeout > 0 or math.isinf(timeout) or math.isnan(timeout):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+        if max_bytes is None:
+            max_bytes = env.get_bytes("NVRAR_MAX_BYTES") or _DEFAULT_MAX_BYTES
+        if heap_bytes is None:
+            heap_bytes = env.get_bytes("NVRAR_HEAP_BYTES")
+            heap_bytes = _DEFAULT_HEAP_BYTES if heap_bytes is None else heap_bytes
+        max_bytes, heap_bytes = int(max_bytes), int(heap_bytes)
+        if max_bytes < 256:
+            raise ValueError(f"max_bytes must be at least 256, got {max_bytes}")
+        if heap_bytes < 0:
+            raise ValueError(f"heap_bytes must be >= 0, got {heap_bytes}")
+        if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        self._variant = selector.variant_code(algo if algo is not None else env.get_str("NVRAR_ALGO"))
+        self._timeout = timeout
+
+        boot = _bootstrap.create(group, timeout)
+        try:
+            self._rank, self._world = boot.rank, boot.world_size
+            requested = ranks_per_node if ranks_per_node is not None else env.get_int("NVRAR_RANKS_PER_NODE")
+            mine = {
+                "host": socket.gethostname(),
+                "requested": requested,
+                "launcher": boot.launcher_local_size,
+                "max_bytes": max_bytes,
+                "heap_bytes": heap_bytes,
+            }
+            infos = [json.loads(b) for b in boot.allgather(json.dumps(mine).encode())]
+            G = self._agree(infos)
+            self._G = G
+            oneshot = selector.oneshot_max_bytes("cpu", self._world, G)
+            jitter = env.get_float("NVRAR_JITTER_US") or 0.0
+            seed = env.get_int("NVRAR_JITTER_SEED") or 0
+            self._ex = _C.CpuExecutor(self._rank, self._world, G, max_bytes, heap_bytes, oneshot, timeout,
+                                      jitter, seed)
+            names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
+            status = ""
+            try:
+                self._ex.attach(names)
+            except NvrarError as exc:
+                status = str(exc)
+            statuses = [b.decode() for b in boot.allgather(status.encode())]
+            self._ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
+            failed = [(r, s) for r, s in enumerate(statuses) if s]
+            if failed:
+                raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
+        except BaseException:
+            if self._ex is not None:
+                self._ex.close()
+                self._ex = None
+            self._closed = True
+            raise
+        finally:
+            boot.close()
+        self._bootstrap_kind = boot.kind
+        self._pool = _PoolAllocator(self._ex.pool_bytes)
+        self._pool_base = self._ex.pool_address
+        self._all_reduce = self._ex.all_reduce  # bound once: the per-call path stays short
+        _live.add(self)
+
+    def _agree(self, infos: Sequence[dict]) -> int:
+        """Ranks per node, identical on every rank (every rank evaluates the same list)."""
+        W = len(infos)
+        for key in ("requested", "max_bytes", "heap_bytes"):
+            values = {json.dumps(i[key]) for i in infos}
+            if len(values) > 1:
+                per_rank = ", ".join(f"rank {r}: {i[key]}" for r, i in enumerate(infos))
+                raise ValueError(f"Communicator: ranks disagree on {key} ({per_rank}); pass the same value everywhere")
+        hosts = [i["host"] for i in infos]
+        if len(set(hosts)) > 1:
+            raise NvrarError(
+                "Communicator: the CPU executor needs every rank on one host (shared memory), but ranks run on "
+                f"{sorted(set(hosts))}; multi-node runs need the CUDA/NVSHMEM executor"
+            )
+        G = infos[0]["requested"]
+        if G is None:
+            launcher = {i["launcher"] for i in infos}
+            G = launcher.pop() if len(launcher) == 1 and None not in launcher else hosts.count(hosts[0])
+            if G is None or W % G != 0:
+                G = W
+        if G > W or W % G != 0:
+            raise ValueError(f"ranks_per_node={G} must divide the world size {W}")
+        return int(G)
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self._G
+
+    @property
+    def num_nodes(self) -> int:
+        return self._world // self._G
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self._ex.max_bytes) if self._ex is not None else 0
+
+    @property
+    def backend(self) -> str:
+        """Executor in use: "cpu"."""
+        return "cpu"
+
+    @property
+    def bootstrap(self) -> str:
+        """How the ranks found each other: "torch", "mpi", "env" or "single"."""
+        return self._bootstrap_kind
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def algorithm_for(self, nbytes: int, algo: Optional[str] = None) -> str:
+        """The variant a call on ``nbytes`` bytes runs ("one-shot" or "two-shot")."""
+        self._check_open()
+        code = self._ex.resolve(self._variant if algo is None else selector.variant_code(algo), int(nbytes))
+        return {v: k for k, v in selector.VARIANTS.items()}[code]
+
+    # -- the collective ------------------------------------------------------------------------
+    def all_reduce(self, x: Any, op: Any = "sum", out: Any = None, *, algo: Optional[str] = None) -> Any:
+        """Reduce ``x`` over all ranks with ``op``; returns the result (``x``, or ``out``).
+
+        Args:
+            x: a C-contiguous numpy array or torch CPU tensor of float32, float16, bfloat16 (torch)
+                or int32. Reduced in place when ``out`` is None.
+            op: "sum", "max", "min", "avg" or a torch.distributed.ReduceOp. avg divides the sum by
+                the world size (int32: truncating).
+            out: optional output of the same shape, dtype and kind as ``x``.
+            algo: override the variant of this call ("one-shot", "two-shot", "auto").
+
+        Every rank must call with the same count, dtype, op and algo; a mismatch raises
+        NvrarError on the ranks involved. Results are bitwise identical on every rank.
+        """
+        ex = self._ex
+        if ex is None:
+            raise NvrarError("all_reduce: the communicator is closed")
+        if isinstance(x, np.ndarray):
+            ptr, count, code = _arrays.numpy_info(x, "x")
+            if out is None:
+                if not x.flags.writeable:
+                    raise ValueError("all_reduce: x is read-only and no out= was given; pass a writeable array or out=")
+                optr = ptr
+            else:
+                optr = self._check_out_numpy(x, out, ptr, count)
+        else:
+            tensor = _arrays.torch_tensor_type()
+            if tensor is None or not isinstance(x, tensor):
+                raise TypeError(f"all_reduce: x must be a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+            ptr, count, code = _arrays.torch_info(x, "x")
+            optr = ptr if out is None else self._check_out_torch(x, out, ptr, count)
+        try:
+            opc = _FAST_OPS[op]
+        except (KeyError, TypeError):
+            opc = _arrays.op_code(op)
+        variant = self._variant if algo is None else selector.variant_code(algo)
+        self._all_reduce(ptr, optr, count, code, opc, variant)
+        return x if out is None else out
+
+    @staticmethod
+    def _overlap_check(ptr: int, optr: int, nbytes: int) -> None:
+        if optr != ptr and optr < ptr + nbytes and ptr < optr + nbytes:
+            raise ValueError("all_reduce: out partially overlaps x; use out=None for in place, or a separate buffer")
+
+    def _check_out_numpy(self, x: np.ndarray, out: Any, ptr: int, count: int) -> int:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"all_reduce: out must be a numpy.ndarray like x, got {type(out).__name__}")
+        if out.shape != x.shape:
+            raise ValueError(f"all_reduce: out has shape {out.shape} but x has shape {x.shape}")
+        if out.dtype != x.dtype:
+            raise TypeError(f"all_reduce: out has dtype {out.dtype} but x has dtype {x.dtype}")
+        if not out.flags.writeable:
+            raise ValueError("all_reduce: out is read-only")
+        optr, _, _ = _arrays.numpy_info(out, "out")
+        self._overlap_check(ptr, optr, count * x.itemsize)
+        return optr
+
+    def _check_out_torch(self, x: Any, out: Any, ptr: int, count: int) -> int:
+        tensor = _arrays.torch_tensor_type()
+        if not isinstance(out, tensor):
+            raise TypeError(f"all_reduce: out must be a torch.Tensor like x, got {type(out).__name__}")
+        if out.shape != x.shape:
+            raise ValueError(f"all_reduce: out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
+        if out.dtype != x.dtype:
+            raise TypeError(f"all_reduce: out has dtype {out.dtype} but x has dtype {x.dtype}")
+        optr, _, _ = _arrays.torch_info(out, "out")
+        self._overlap_check(ptr, optr, count * x.element_size())
+        return optr
+
+    # -- symmetric memory ----------------------------------------------------------------------
+    def empty(self, shape: Union[int, Sequence[int]], dtype: Any = np.float32) -> Any:
+        """An uninitialized array (numpy dtype) or tensor (torch dtype) in the symmetric heap.
+
+        all_reduce reads such an input where it is, without the stage-in copy. The memory returns
+        to the pool when the last reference to the array (and its views) is gone. Not collective:
+        but ranks that want zero-copy on both sides simply allocate alike.
+        """
+        self._check_open()
+        shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape_t):
+            raise ValueError(f"empty: negative dimension in shape {shape_t}")
+        kind, dt, _, itemsize = _resolve_dtype(dtype)
+        nbytes = int(np.prod(shape_t, dtype=np.int64)) * itemsize
+        off = self._pool.alloc(nbytes)
+        if off is None:
+            raise NvrarError(
+                f"empty: the symmetric heap has no free block of {nbytes} bytes (pool {self._pool.size} bytes, "
+                f"largest free {self._pool.largest_free()}); pass heap_bytes= or set NVRAR_HEAP_BYTES"
+            )
+        block = _Block(self._pool_base + off, nbytes)
+        ex = self._ex
+        weakref.finalize(block, self._release_block, self._pool, off, nbytes, ex)
+        raw = np.asarray(block)
+        if kind == "numpy":
+            return raw.view(dt).reshape(shape_t)
+        import torch
+
+        return torch.from_numpy(raw).view(dt).reshape(shape_t)
+
+    def _release_block(self, pool: _PoolAllocator, off: int, nbytes: int, ex: Any) -> None:
+        pool.free(off, nbytes)
+        if self._closed and pool.live == 0 and ex is not None:
+            ex.close()  # close() deferred the unmapping until the last block died
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._ex is None:
+            raise NvrarError("the communicator is closed")
+
+    def close(self) -> None:
+        """Release this rank's resources. Idempotent; also run at interpreter exit.
+
+        Memory from :meth:`empty` stays valid until its arrays are gone.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        ex, self._ex = self._ex, None
+        _live.discard(self)
+        if ex is not None and (getattr(self, "_pool", None) is None or self._pool.live == 0):
+            ex.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"epoch {self._ex.epoch}"
+        return (f"Communicator(rank={getattr(self, '_rank', '?')}, world_size={getattr(self, '_world', '?')}, "
+                f"ranks_per_node={getattr(self, '_G', '?')}, backend=cpu, {state})")
+
+
+_FAST_OPS = {"sum": _arrays.OP_SUM, "max": _arrays.OP_MAX, "min": _arrays.OP_MIN, "avg": _arrays.OP_AVG}

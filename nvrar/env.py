@@ -1,0 +1,131 @@
+"""Every environment variable nvrar reads, in one place: name, meaning, default.
+
+Constructor arguments take precedence over these variables; the variables take precedence over
+the built-in defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+__all__ = ["VARIABLES", "EnvVar", "get_float", "get_int", "get_bytes", "get_str", "parse_bytes", "describe"]
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    meaning: str
+
+
+VARIABLES: Dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar("NVRAR_TIMEOUT_S", "60", "Deadline of every wait of a collective and of the bootstrap, in seconds."),
+        EnvVar(
+            "NVRAR_MAX_BYTES",
+            "4M",
+            "Largest chunk one protocol round reduces (the symmetric staging buffer); larger messages "
+            "run in chunks. Accepts 64K, 4M, ... Must be equal on every rank.",
+        ),
+        EnvVar(
+            "NVRAR_HEAP_BYTES",
+            "32M",
+            "Size of the zero-copy pool that Communicator.empty() allocates from, per rank.",
+        ),
+        EnvVar(
+            "NVRAR_RANKS_PER_NODE",
+            "",
+            "Ranks per (emulated) node when ranks_per_node= is not given; by default the launcher's "
+            "local size (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE, MPI "
+            "shared-memory split) or the number of ranks on this host.",
+        ),
+        EnvVar(
+            "NVRAR_ONESHOT_MAX_BYTES",
+            "",
+            "Messages up to this size use the one-shot variant (default: the selector's table).",
+        ),
+        EnvVar(
+            "NVRAR_ALGO",
+            "auto",
+            "Force a variant for every call: auto, one-shot or two-shot.",
+        ),
+        EnvVar(
+            "NVRAR_JITTER_US",
+            "0",
+            "Testing: inject random delays of up to this many microseconds before puts and after "
+            "signals of the CPU executor, to shake out races in the epoch protocol.",
+        ),
+        EnvVar("NVRAR_JITTER_SEED", "0", "Testing: seed of the jitter generator (mixed with the rank)."),
+        EnvVar(
+            "NVRAR_TUNING_FILE",
+            "",
+            "Selector table written by `nvrar tune` (JSON); default ~/.cache/nvrar/tuning.json if present.",
+        ),
+    )
+}
+
+_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``4096``, ``64K``, ``2M``, ``1GiB`` (binary multiples)."""
+    s = str(text).strip().upper().replace(" ", "")
+    num = s.rstrip("KMGIB")
+    suffix = s[len(num):]
+    if not num or suffix not in _SUFFIX:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 2M)")
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 2M)") from None
+    result = int(value * _SUFFIX[suffix])
+    if result < 0 or result != value * _SUFFIX[suffix]:
+        raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")
+    return result
+
+
+def _raw(name: str) -> Optional[str]:
+    if name not in VARIABLES:
+        raise KeyError(f"undocumented environment variable {name}; add it to nvrar.env.VARIABLES")
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _get(name: str, parse: Callable[[str], object], default: Optional[str] = None):
+    raw = _raw(name)
+    if raw is None:
+        raw = default if default is not None else VARIABLES[name].default
+        if raw == "":
+            return None
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def get_float(name: str) -> Optional[float]:
+    return _get(name, float)
+
+
+def get_int(name: str) -> Optional[int]:
+    return _get(name, int)
+
+
+def get_bytes(name: str) -> Optional[int]:
+    return _get(name, parse_bytes)
+
+
+def get_str(name: str) -> Optional[str]:
+    return _get(name, str)
+
+
+def describe() -> str:
+    """A table of the variables, for ``--help`` texts and docs."""
+    lines = []
+    for v in VARIABLES.values():
+        lines.append(f"{v.name} (default {v.default or 'unset'}): {v.meaning}")
+    return "\n".join(lines)

@@ -1,0 +1,45 @@
+"""Algorithm selection: the one place that decides which variant serves which message size.
+
+The CPU executor applies the one-shot threshold chosen here to every call with ``algo="auto"``;
+the decision depends only on values that are identical on every rank (world size, ranks per node,
+message size, the table), so every rank picks the same variant. A mismatch would still be caught:
+the variant is part of the call signature that every flag carries.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from . import env
+
+__all__ = ["VARIANTS", "variant_code", "oneshot_max_bytes"]
+
+# Codes shared with csrc/cpu/executor.h (Variant).
+VARIANTS = {"auto": 0, "two-shot": 1, "one-shot": 2}
+
+
+def variant_code(name: Optional[str]) -> int:
+    """Code of a variant name; None means auto."""
+    if name is None:
+        return 0
+    key = str(name).lower().replace("_", "-")
+    if key not in VARIANTS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(VARIANTS)}")
+    return VARIANTS[key]
+
+
+# One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
+# G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
+# per rank whatever G is. Measured with nvrar-bench on a 2-core x86 host (README, "Tuning").
+_CPU_ONESHOT_MAX = {1: 1 << 20, 2: 32 << 10}
+_CPU_ONESHOT_MAX_DEFAULT = 16 << 10
+
+
+def oneshot_max_bytes(device: str, world_size: int, ranks_per_node: int) -> int:
+    """Largest message (bytes) that the auto policy sends through the one-shot variant."""
+    override = env.get_bytes("NVRAR_ONESHOT_MAX_BYTES")
+    if override is not None:
+        return override
+    if device == "cpu":
+        return _CPU_ONESHOT_MAX.get(ranks_per_node, _CPU_ONESHOT_MAX_DEFAULT)
+    return _CPU_ONESHOT_MAX_DEFAULT
