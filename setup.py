@@ -4,6 +4,7 @@ The CPU executor (C++17) is always built. The CUDA executor is added by the GPU 
 (see docs and NVRAR_CUDA) when nvcc is present.
 """
 
+import glob
 import os
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
@@ -28,6 +29,9 @@ cpu_sources = [
     "csrc/cpu/cpu_only.cpp",
 ]
 
+# Headers, so that editing one rebuilds the objects that include it.
+HEADERS = sorted(glob.glob("csrc/**/*.h", recursive=True))
+
 ext = Pybind11Extension(
     "nvrar._C",
     sources=cpu_sources,
@@ -35,6 +39,7 @@ ext = Pybind11Extension(
     cxx_std=17,
     extra_compile_args=HOST_FLAGS,
     libraries=["rt"],
+    depends=HEADERS,
 )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})

@@ -1,0 +1,90 @@
+"""Start real worker processes (one per rank) with torchrun-style environment variables, and
+collect what each one reports. Used by the multi-process tests; no mocks: every rank is a real
+process bootstrapping through nvrar's own rendezvous store."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+    report: Optional[dict]
+
+
+def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dict[str, str]] = None,
+           timeout: float = 240.0, per_rank_args: Optional[List[dict]] = None,
+           start: Optional[List[int]] = None) -> List[RankResult]:
+    """Run `_worker.py task` on `world` ranks; returns one RankResult per rank (in rank order).
+
+    Each worker writes its JSON report to a file; a worker still running at `timeout` is killed
+    (the test then fails on its return code: a hang is a failure, never a silent pass). `start`
+    names the ranks to start (default all): the others never arrive."""
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="nvrar-test-")
+    procs = []
+    for r in (range(world) if start is None else start):
+        a = dict(args or {})
+        if per_rank_args is not None:
+            a.update(per_rank_args[r])
+        e = dict(os.environ)
+        for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "LOCAL_WORLD_SIZE",
+                  "TORCHELASTIC_USE_AGENT_STORE"):
+            e.pop(k, None)
+        e.update({"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  "PYTHONUNBUFFERED": "1"})
+        e.update(env or {})
+        report = os.path.join(tmp, f"rank{r}.json")
+        cmd = [sys.executable, WORKER, task, json.dumps(a), report]
+        procs.append((r, report, subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  text=True)))
+    deadline = time.monotonic() + timeout
+    results = []
+    for r, report, p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            err += f"\n[launch] rank {r} killed after the {timeout:.0f} s test deadline"
+        data = None
+        if os.path.exists(report):
+            with open(report) as f:
+                data = json.load(f)
+        results.append(RankResult(r, p.returncode, out, err, data))
+    return results
+
+
+def describe(results: List[RankResult]) -> str:
+    parts = []
+    for res in results:
+        parts.append(f"--- rank {res.rank} rc={res.returncode}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}")
+    return "\n".join(parts)
+
+
+def assert_all_ok(results: List[RankResult]) -> List[dict]:
+    """Every rank exited 0 and reported; returns the reports."""
+    bad = [r for r in results if r.returncode != 0 or r.report is None]
+    assert not bad, "ranks failed:\n" + describe(results)
+    return [r.report for r in results]

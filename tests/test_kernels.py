@@ -1,0 +1,108 @@
+"""The host reduction kernels (the shared slice functions of csrc/protocol/slice.h) against
+independent references: numpy/torch conversions and IEEE arithmetic, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nvrar import _C
+
+torch = pytest.importorskip("torch")
+
+F32, F16, BF16, I32 = 0, 1, 2, 3
+SUM, MAX, MIN, AVG = 0, 1, 2, 3
+
+
+def reduce(srcs, dtype_code, op, world=1):
+    dst = np.empty_like(srcs[0])
+    _C.reduce_into(dst.ctypes.data, [s.ctypes.data for s in srcs], srcs[0].size, dtype_code, op, world)
+    return dst
+
+
+def bits16(a):
+    return a.view(np.uint16)
+
+
+@pytest.mark.parametrize("nsrc", [1, 2, 3, 8])
+@pytest.mark.parametrize("count", [1, 63, 64, 65, 1000, 4099])
+def test_float32_sum_is_left_to_right(nsrc, count):
+    rng = np.random.default_rng(count * 10 + nsrc)
+    srcs = [(rng.standard_normal(count) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(nsrc)]
+    want = srcs[0].copy()
+    for s in srcs[1:]:
+        want = (want + s).astype(np.float32)
+    got = reduce(srcs, F32, SUM)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_float16_rounding_matches_numpy_over_all_bit_patterns():
+    """Every fp16 value plus a spread of others: fp32 sum then one correctly rounded conversion."""
+    allv = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = allv[np.isfinite(allv)]
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        a = finite.copy()
+        b = rng.permutation(finite)
+        with np.errstate(over="ignore"):  # sums beyond 65504 round to inf: part of the check
+            want = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
+        got = reduce([a, b], F16, SUM)
+        assert np.array_equal(bits16(got), bits16(want)), np.flatnonzero(bits16(got) != bits16(want))[:10]
+
+
+def test_float16_single_source_round_trip_is_exact():
+    allv = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    got = reduce([allv], F16, SUM)
+    nan = np.isnan(allv)
+    assert np.array_equal(bits16(got)[~nan], bits16(allv)[~nan])
+    assert np.all(np.isnan(got[nan]))
+
+
+def test_bfloat16_rounding_matches_torch():
+    rng = np.random.default_rng(1)
+    n = 200000
+    a = torch.from_numpy((rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)).to(torch.bfloat16)
+    b = torch.from_numpy((rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)).to(torch.bfloat16)
+    c = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+    want = ((a.float() + b.float()) + c.float()).to(torch.bfloat16)
+    srcs = [t.view(torch.int16).numpy() for t in (a, b, c)]
+    got = reduce(srcs, BF16, SUM)
+    assert np.array_equal(got, want.view(torch.int16).numpy())
+
+
+def test_bfloat16_avg_scales_once_in_fp32():
+    W = 6
+    xs = [torch.arange(-50, 50, dtype=torch.float32).to(torch.bfloat16) * (r + 1) for r in range(3)]
+    acc = (xs[0].float() + xs[1].float()) + xs[2].float()
+    want = (acc * (np.float32(1.0) / np.float32(W))).to(torch.bfloat16)
+    got = reduce([x.view(torch.int16).numpy() for x in xs], BF16, AVG, world=W)
+    assert np.array_equal(got, want.view(torch.int16).numpy())
+
+
+@pytest.mark.parametrize("op,fn", [(MAX, np.fmax), (MIN, np.fmin)])
+def test_float32_max_min_ignore_nan(op, fn):
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(1000).astype(np.float32)
+    b = rng.standard_normal(1000).astype(np.float32)
+    a[::7] = np.nan
+    b[::11] = np.nan
+    got = reduce([a, b], F32, op)
+    want = fn(a, b)
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.isnan(got[0])  # both NaN at index 0
+
+
+def test_int32_sum_wraps_and_avg_truncates():
+    a = np.array([2**31 - 1, -7, 7, -8, 5], dtype=np.int32)
+    b = np.array([1, 0, 0, 0, 0], dtype=np.int32)
+    assert reduce([a, b], I32, SUM)[0] == -(2**31)
+    got = reduce([a[1:], b[1:]], I32, AVG, world=2)
+    assert list(got) == [-3, 3, -4, 2]  # truncation toward zero, like C
+
+
+def test_reduce_into_in_place_aliasing():
+    """dst may be a source (the inter-node combine writes into its own landing zone)."""
+    a = np.arange(1000, dtype=np.float32)
+    b = np.ones(1000, dtype=np.float32)
+    _C.reduce_into(b.ctypes.data, [a.ctypes.data, b.ctypes.data], 1000, F32, SUM, 1)
+    assert np.array_equal(b, np.arange(1000, dtype=np.float32) + 1)

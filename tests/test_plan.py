@@ -1,0 +1,308 @@
+"""The plan (csrc/protocol/plan.h, through nvrar._C) checked symbolically, without data.
+
+1. Shard bounds: G shards partition [0, count), 16-byte aligned starts.
+2. Inter-node schedule for every N in 1..17: dataflow simulation with symbolic contributions;
+   every node ends with every node's contribution exactly once, as the same expression (so the
+   same bits), and no landing zone is written twice.
+3. The epoch protocol for every N in 1..17 and G in 1..8: every rank of W = N x G is a process
+   running the executor's phases over several rounds under a random scheduler (fast ranks run
+   ahead into later rounds). Every read asserts it sees the round it expects (a parity slot or
+   flag overwritten too early fails), no slot is written twice in one round, nothing deadlocks,
+   and each rank's result holds every rank's contribution exactly once, shard by shard.
+4. The segment layout: regions and flag cells never overlap.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from nvrar import _C
+
+NODES = range(1, 18)
+GS = range(1, 9)
+
+
+@pytest.mark.parametrize("G", GS)
+@pytest.mark.parametrize("elem_size", [2, 4])
+def test_shards_partition_and_align(G, elem_size):
+    align = 16 // elem_size
+    for count in [0, 1, 2, G - 1, G, G + 1, 7, 16, 17, 1000, 4099, 65537]:
+        if count < 0:
+            continue
+        ranges = [_C.shard_range(count, elem_size, G, g) for g in range(G)]
+        pos = 0
+        for b, e in ranges:
+            assert b == min(pos, count) and b <= e <= count
+            assert b % align == 0 or b == count
+            pos = e
+        assert pos == count
+        sizes = [e - b for b, e in ranges]
+        assert max(sizes) - min(sizes) <= max(sizes)  # sanity
+        # no shard is larger than needed: ceil(count / G) rounded to the alignment
+        assert max(sizes) <= -(-(-(-count // G)) // align) * align
+
+
+def simulate_inter(N: int, rng: random.Random):
+    """Run every node's schedule as a dataflow; returns {node: (expr, Counter)}."""
+    scheds = [_C.inter_schedule(N, n) for n in range(N)]
+    acc = {n: (f"n{n}", Counter({n: 1})) for n in range(N)}
+    zones = {}
+    pc = [0] * N
+    sent = [False] * N
+    while any(pc[n] < len(scheds[n]) for n in range(N)):
+        progress = False
+        for n in rng.sample(range(N), N):
+            if pc[n] >= len(scheds[n]):
+                continue
+            st = scheds[n][pc[n]]
+            if st["send"] and not sent[n]:
+                key = (st["partner"], st["slot"])
+                assert key not in zones, f"N={N}: zone {key} written twice"
+                zones[key] = acc[n]
+                sent[n] = True
+                progress = True
+            if st["recv"]:
+                key = (n, st["slot"])
+                if key not in zones:
+                    continue
+                got = zones[key]
+                if st["combine"]:
+                    assert st["mine_first"] == (n < st["partner"])
+                    a, b = (acc[n], got) if st["mine_first"] else (got, acc[n])
+                    acc[n] = (f"({a[0]}+{b[0]})", a[1] + b[1])
+                else:
+                    acc[n] = got
+            pc[n] += 1
+            sent[n] = False
+            progress = True
+        assert progress, f"N={N}: the schedule deadlocks at {pc}"
+    return acc, zones
+
+
+@pytest.mark.parametrize("N", NODES)
+def test_inter_schedule_exactly_once_and_identical(N):
+    rng = random.Random(N)
+    for _ in range(5):
+        acc, zones = simulate_inter(N, rng)
+        want = Counter(range(N))
+        exprs = {acc[n][0] for n in range(N)}
+        for n in range(N):
+            assert acc[n][1] == want, f"N={N}: node {n} holds {acc[n][1]}"
+        assert len(exprs) == 1, f"N={N}: nodes end with different expressions {exprs}"
+        # the executor's idea of where the result lives matches the schedule
+        for n in range(N):
+            steps = _C.inter_schedule(N, n)
+            recv_slots = [s["slot"] for s in steps if s["recv"]]
+            assert _C.inter_final_slot(N, n) == (recv_slots[-1] if recv_slots else -1)
+        assert all(0 <= slot < _C.inter_num_slots(N) for (_, slot) in zones)
+
+
+# --- the epoch protocol model --------------------------------------------------------------
+
+class ProtocolModel:
+    """Ranks as generators following the CPU executor's phases; the scheduler runs any rank whose
+    awaited flag has arrived, in random order. Slots hold (round, value); flags hold a round."""
+
+    def __init__(self, N: int, G: int, rounds: int, seed: int):
+        self.N, self.G, self.W = N, G, N * G
+        self.rounds = rounds
+        self.rng = random.Random(seed)
+        self.variants = [self.rng.choice(["one-shot", "two-shot"]) for _ in range(rounds + 1)]
+        self.zero_copy = {(r, e): self.rng.random() < 0.5 for r in range(self.W) for e in range(rounds + 1)}
+        self.in_place = {(r, e): self.rng.random() < 0.5 for r in range(self.W) for e in range(rounds + 1)}
+        self.mem = {}       # slot -> (round, value, writes in that round)
+        self.flags = {}     # flag -> (round, aux)
+        self.consumed = {}  # flag -> bool
+        self.waiting = {}   # flag -> (rank, round)
+        self.runnable = []
+        self.scheds = [_C.inter_schedule(N, n) for n in range(N)]
+        self.results = {}
+
+    # memory
+    def write(self, slot, e, value, owner_rmw=False):
+        prev = self.mem.get(slot)
+        if prev is not None:
+            if owner_rmw:
+                assert prev[0] == e, f"{slot}: combine on round {prev[0]} data in round {e}"
+            else:
+                assert prev[0] < e, f"{slot} written twice in round {e}"
+        self.mem[slot] = (e, value)
+
+    def read(self, slot, e, who):
+        got = self.mem.get(slot)
+        assert got is not None and got[0] == e, (
+            f"rank {who} read {slot} in round {e} but it holds round {None if got is None else got[0]}")
+        return got[1]
+
+    def signal(self, flag, e, aux=None):
+        prev = self.flags.get(flag)
+        if prev is not None:
+            assert prev[0] < e, f"flag {flag} stored twice in round {e}"
+            assert self.consumed[flag], f"flag {flag} of round {prev[0]} overwritten by round {e} before it was read"
+        self.flags[flag] = (e, aux)
+        self.consumed[flag] = False
+        w = self.waiting.pop(flag, None)
+        if w is not None and e >= w[1]:
+            self.runnable.append(w[0])
+        elif w is not None:
+            self.waiting[flag] = w
+
+    def take(self, flag, e, who):
+        got = self.flags[flag]
+        assert got[0] == e, f"rank {who} waiting for round {e} found round {got[0]} in {flag}"
+        self.consumed[flag] = True
+        return got[1]
+
+    # one rank
+    def rank_proc(self, r):
+        N, G = self.N, self.G
+        n, g = divmod(r, G)
+        locals_ = [n * G + h for h in range(G)]
+        for e in range(1, self.rounds + 1):
+            p = e % 2
+            variant = self.variants[e]
+            zc = self.zero_copy[(r, e)] and variant == "two-shot"
+            in_place = self.in_place[(r, e)]
+            shards = G if variant == "two-shot" else 1
+            mine = Counter({(r, e): 1})
+            # The user fills the input before the call (for zero-copy: in the symmetric pool).
+            for s in range(shards):
+                self.write(("user", r, s), e, mine)
+            data = ("user", r) if zc else ("staging", r, p)
+            if not zc:
+                self.write(data, e, mine)
+            for h in locals_:
+                if h != r:
+                    self.signal(("ready", h, p, g), e, aux=data)
+            # reduce phase
+            acc = Counter(mine)
+            for h in locals_:
+                if h == r:
+                    continue
+                flag = ("ready", r, p, h % G)
+                if self.flags.get(flag, (0,))[0] < e:
+                    self.waiting[flag] = (r, e)
+                    yield
+                src = self.take(flag, e, r)
+                slot = (src + (g,)) if src[0] == "user" else src
+                acc = acc + self.read(slot, e, r)
+            shard = g if variant == "two-shot" else None
+            self.write(("result", r, p), e, acc)
+            loc = ("result", r, p)
+            # inter-node
+            for i, st in enumerate(self.scheds[n]):
+                peer = st["partner"] * G + g
+                if st["send"]:
+                    self.write(("zone", peer, p, st["slot"]), e, self.read(loc, e, r))
+                    self.signal(("inter", peer, p, st["slot"]), e)
+                if st["recv"]:
+                    flag = ("inter", r, p, st["slot"])
+                    if self.flags.get(flag, (0,))[0] < e:
+                        self.waiting[flag] = (r, e)
+                        yield
+                    self.take(flag, e, r)
+                    zone = ("zone", r, p, st["slot"])
+                    if st["combine"]:
+                        self.write(zone, e, self.read(zone, e, r) + self.read(loc, e, r), owner_rmw=True)
+                    loc = zone
+            final = self.read(loc, e, r)
+            result = {}
+            if variant == "one-shot":
+                result[0] = final
+            else:
+                for h in locals_:
+                    if h != r:
+                        self.signal(("final", h, p, g), e, aux=loc)
+                result[shard] = final
+                if zc and in_place:
+                    self.write(("user", r, g), e, final, owner_rmw=True)
+                for h in locals_:
+                    if h == r:
+                        continue
+                    flag = ("final", r, p, h % G)
+                    if self.flags.get(flag, (0,))[0] < e:
+                        self.waiting[flag] = (r, e)
+                        yield
+                    where = self.take(flag, e, r)
+                    result[h % G] = self.read(where, e, r)
+                    if zc and in_place:
+                        self.write(("user", r, h % G), e, result[h % G], owner_rmw=True)
+            self.results[(r, e)] = (variant, result)
+
+    def run(self):
+        procs = {r: self.rank_proc(r) for r in range(self.W)}
+        self.runnable = list(range(self.W))
+        done = set()
+        while self.runnable:
+            i = self.rng.randrange(len(self.runnable))
+            self.runnable[i], self.runnable[-1] = self.runnable[-1], self.runnable[i]
+            r = self.runnable.pop()
+            try:
+                next(procs[r])
+            except StopIteration:
+                done.add(r)
+                continue
+            if not any(w[0] == r for w in self.waiting.values()):
+                self.runnable.append(r)  # yielded without waiting: keep it runnable
+        assert len(done) == self.W, f"deadlock: ranks {sorted(set(range(self.W)) - done)} never finished"
+        for (r, e), (variant, result) in self.results.items():
+            want = Counter({(q, e): 1 for q in range(self.W)})
+            expect_shards = range(self.G) if variant == "two-shot" else [0]
+            assert sorted(result) == list(expect_shards)
+            for s, got in result.items():
+                assert got == want, f"rank {r} round {e} shard {s}: {got} (want every rank exactly once)"
+
+
+@pytest.mark.parametrize("G", GS)
+@pytest.mark.parametrize("N", NODES)
+def test_epoch_protocol_model(N, G):
+    seeds = 3 if N * G <= 32 else 1
+    for seed in range(seeds):
+        ProtocolModel(N, G, rounds=5, seed=1000 * N + 10 * G + seed).run()
+
+
+def test_protocol_model_catches_a_missing_parity():
+    """The model can fail: reusing one staging slot for every round must be caught."""
+    class Broken(ProtocolModel):
+        def write(self, slot, e, value, owner_rmw=False):
+            if slot[0] == "staging":
+                slot = ("staging", slot[1], 0)
+            return super().write(slot, e, value, owner_rmw)
+
+        def read(self, slot, e, who):
+            if slot[0] == "staging":
+                slot = ("staging", slot[1], 0)
+            return super().read(slot, e, who)
+
+    caught = 0
+    for seed in range(20):
+        try:
+            Broken(2, 4, rounds=6, seed=seed).run()
+        except AssertionError:
+            caught += 1
+    assert caught > 0
+
+
+@pytest.mark.parametrize("G,N", [(1, 1), (2, 1), (8, 1), (1, 17), (4, 5), (8, 17)])
+def test_segment_layout_regions_disjoint(G, N):
+    L = _C.segment_layout(G, N, 1 << 20, 64 << 10, 1 << 20, 64)
+    regions = [("abort", L["abort_cell"], L["cell_stride"])]
+    for p in range(2):
+        regions += [(f"ready{p}{h}", off, L["cell_stride"]) for h, off in enumerate(L["ready_cells"][p])]
+        regions += [(f"final{p}{h}", off, L["cell_stride"]) for h, off in enumerate(L["final_cells"][p])]
+        regions += [(f"inter{p}{s}", off, L["cell_stride"]) for s, off in enumerate(L["inter_cells"][p])]
+        regions += [(f"zone{p}{s}", off, L["zone_bytes"]) for s, off in enumerate(L["zones"][p])]
+        regions.append((f"staging{p}", L["staging"][p], L["staging_bytes"]))
+        regions.append((f"result{p}", L["result"][p], L["zone_bytes"]))
+    regions.append(("pool", L["pool_off"], L["pool_bytes"]))
+    regions.sort(key=lambda x: x[1])
+    assert regions[0][1] >= 4096  # page 0 is the header
+    for (n1, o1, s1), (n2, o2, s2) in zip(regions, regions[1:]):
+        assert o1 + s1 <= o2, f"{n1} overlaps {n2}"
+    assert regions[-1][1] + regions[-1][2] <= L["total_bytes"]
+    assert L["staging_bytes"] >= 1 << 20
+    # a shard of a max_bytes chunk fits a zone
+    assert L["zone_bytes"] >= -(-(1 << 20) // G) + 16
