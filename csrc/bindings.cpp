@@ -66,7 +66,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<CpuExecutor>(m, "CpuExecutor")
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
-                       size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed) {
+                       size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
+                       size_t cma_min_bytes, size_t cma_piece_bytes) {
              CpuConfig c;
              c.rank = rank;
              c.world = world;
@@ -77,14 +78,21 @@ PYBIND11_MODULE(_C, m) {
              c.timeout_s = timeout_s;
              c.jitter_us = jitter_us;
              c.jitter_seed = jitter_seed;
+             c.cma = cma;
+             c.cma_min_bytes = cma_min_bytes;
+             c.cma_piece_bytes = cma_piece_bytes;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us") = 0.0,
-           py::arg("jitter_seed") = 0)
+           py::arg("jitter_seed") = 0, py::arg("cma") = true, py::arg("cma_min_bytes") = 32 << 10,
+           py::arg("cma_piece_bytes") = 256 << 10)
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
+      .def("probe_cma", &CpuExecutor::probe_cma)
+      .def("enable_cma", &CpuExecutor::enable_cma, py::arg("on"))
+      .def_property_readonly("cma_enabled", &CpuExecutor::cma_enabled)
       .def(
           "all_reduce",
           [](CpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int variant) {
@@ -110,6 +118,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("max_bytes", [](const CpuExecutor& ex) { return ex.config().max_bytes; })
       .def_property_readonly("segment_bytes", [](const CpuExecutor& ex) { return ex.segment_layout().total_bytes; })
       .def("close", &CpuExecutor::close);
+
+  // Address of a contiguous buffer-protocol object (numpy arrays): the per-call path's cheap
+  // alternative to __array_interface__, which builds a dict on every access.
+  m.def("buffer_address", [](py::handle obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_ANY_CONTIGUOUS) != 0) throw py::error_already_set();
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(view.buf);
+    PyBuffer_Release(&view);
+    return addr;
+  });
 
   // The plan, for the symbolic tests and for diagnostics.
   m.def("shard_range",
@@ -181,15 +199,18 @@ PYBIND11_MODULE(_C, m) {
   // The host reduction kernels on their own, to test their arithmetic against a reference.
   m.def(
       "reduce_into",
-      [](uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t n, int dtype, int op, int world) {
-        NVRAR_CHECK(!srcs.empty(), "reduce_into: no sources");
+      [](const std::vector<uintptr_t>& dsts, const std::vector<uintptr_t>& srcs, size_t n, int dtype, int op,
+         int world) {
+        NVRAR_CHECK(!srcs.empty() && !dsts.empty(), "reduce_into: needs at least one source and one destination");
         std::vector<const void*> p(srcs.size());
+        std::vector<void*> d(dsts.size());
         for (size_t i = 0; i < srcs.size(); ++i) p[i] = reinterpret_cast<const void*>(srcs[i]);
+        for (size_t i = 0; i < dsts.size(); ++i) d[i] = reinterpret_cast<void*>(dsts[i]);
         cpu_reduce_fn(static_cast<DType>(dtype), static_cast<RedOp>(op))(
-            reinterpret_cast<void*>(dst), p.data(), static_cast<int>(p.size()), n,
+            d.data(), static_cast<int>(d.size()), p.data(), static_cast<int>(p.size()), n,
             make_scale(static_cast<RedOp>(op), world));
       },
-      py::arg("dst"), py::arg("srcs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("world") = 1);
+      py::arg("dsts"), py::arg("srcs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("world") = 1);
 
   register_cuda(m);
 }

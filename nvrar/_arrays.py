@@ -34,6 +34,14 @@ DTYPE_NAMES = {DTYPE_FLOAT32: "float32", DTYPE_FLOAT16: "float16", DTYPE_BFLOAT1
 _torch_codes: Optional[Dict[Any, int]] = None
 
 
+def _buffer_address(x: Any) -> int:
+    from ._C import buffer_address  # bound on first use: importing _arrays needs no native module
+
+    global _buffer_address
+    _buffer_address = buffer_address
+    return buffer_address(x)
+
+
 def torch_tensor_type() -> Optional[type]:
     """torch.Tensor if torch is already imported (never imports torch itself)."""
     torch = sys.modules.get("torch")
@@ -96,14 +104,14 @@ def numpy_info(x: np.ndarray, what: str) -> Tuple[int, int, int]:
     if not x.flags.c_contiguous:
         raise ValueError(f"all_reduce: {what} is not C-contiguous (shape {x.shape}, strides {x.strides}); "
                          "pass numpy.ascontiguousarray(...)")
-    return x.__array_interface__["data"][0], x.size, code
+    return _buffer_address(x), x.size, code
 
 
 def torch_info(x: Any, what: str) -> Tuple[int, int, int]:
     code = torch_dtype_code(x.dtype)
     if code is None:
         raise unsupported_dtype(x, what)
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         raise ValueError(f"all_reduce: {what} is on device {x.device}, but this communicator runs on the CPU")
     if not x.is_contiguous():
         raise ValueError(f"all_reduce: {what} is not contiguous (shape {tuple(x.shape)}, strides {x.stride()}); "

@@ -3,7 +3,8 @@
 A bootstrap knows this process's rank and the world size, and offers an all-gather of small
 byte strings and a barrier, each bounded by a deadline. Chosen in this order:
 
-1. the torch.distributed process group passed as ``group`` (or an mpi4py communicator);
+1. the torch.distributed process group passed as ``group`` (or an mpi4py communicator, or a
+   Bootstrap instance such as ``SingleBootstrap()`` for a private one-rank communicator);
 2. the default torch.distributed group, when torch.distributed is initialized;
 3. ``MPI.COMM_WORLD`` when the process was started by mpirun / mpiexec / srun (mpi4py);
 4. torchrun-style environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), through a
@@ -20,7 +21,7 @@ from typing import Any, List, Optional
 
 from .errors import NvrarError, NvrarTimeoutError
 
-__all__ = ["Bootstrap", "create", "launcher_local_size", "mpi_launched"]
+__all__ = ["Bootstrap", "SingleBootstrap", "create", "launcher_local_size", "mpi_launched"]
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -91,7 +92,7 @@ class Bootstrap:
 class SingleBootstrap(Bootstrap):
     kind = "single"
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float = 60.0) -> None:
         super().__init__(0, 1, timeout)
 
     def allgather(self, value: bytes) -> List[bytes]:
@@ -248,6 +249,8 @@ def _is_mpi_comm(obj: Any) -> bool:
 
 def create(group: Any, timeout: float) -> Bootstrap:
     """Pick the bootstrap for ``group`` following the order in the module docstring."""
+    if isinstance(group, Bootstrap):
+        return group
     if group is not None:
         if _is_mpi_comm(group):
             return MPIBootstrap(group, timeout)

@@ -119,7 +119,8 @@ class Communicator:
     """A communicator over which every rank calls the same collectives in the same order.
 
     Args:
-        group: a torch.distributed process group or an mpi4py communicator. Default: the default
+        group: a torch.distributed process group, an mpi4py communicator, or an
+            ``nvrar.bootstrap.Bootstrap`` (e.g. ``SingleBootstrap()``). Default: the default
             torch.distributed group when initialized, else MPI.COMM_WORLD under mpirun/srun, else
             torchrun-style environment variables, else a single rank.
         ranks_per_node: ranks per node (G). Default: the launcher's local size, or the number of
@@ -183,19 +184,24 @@ class Communicator:
             oneshot = selector.oneshot_max_bytes("cpu", self._world, G)
             jitter = env.get_float("NVRAR_JITTER_US") or 0.0
             seed = env.get_int("NVRAR_JITTER_SEED") or 0
+            cma = env.get_int("NVRAR_CMA")
             self._ex = _C.CpuExecutor(self._rank, self._world, G, max_bytes, heap_bytes, oneshot, timeout,
-                                      jitter, seed)
+                                      jitter, seed, cma != 0, selector.cma_min_bytes("cpu", G),
+                                      selector.cma_piece_bytes("cpu", G))
             names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
-            status = ""
+            status = {"error": "", "cma": False}
             try:
                 self._ex.attach(names)
+                status["cma"] = bool(self._ex.probe_cma())
             except NvrarError as exc:
-                status = str(exc)
-            statuses = [b.decode() for b in boot.allgather(status.encode())]
+                status["error"] = str(exc)
+            statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
             self._ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
-            failed = [(r, s) for r, s in enumerate(statuses) if s]
+            failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
             if failed:
                 raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
+            # Cross-memory writes only if every rank can reach every other (all decide alike).
+            self._ex.enable_cma(all(s["cma"] for s in statuses))
         except BaseException:
             if self._ex is not None:
                 self._ex.close()

@@ -60,6 +60,19 @@ VARIABLES: Dict[str, EnvVar] = {
         ),
         EnvVar("NVRAR_JITTER_SEED", "0", "Testing: seed of the jitter generator (mixed with the rank)."),
         EnvVar(
+            "NVRAR_CMA",
+            "1",
+            "CPU executor: 1 lets ranks write result shards straight into each other's private output "
+            "buffers (process_vm_writev, the single-copy path MPI libraries use) where the OS allows it; "
+            "0 always copies through the shared segment.",
+        ),
+        EnvVar(
+            "NVRAR_CMA_MIN_BYTES",
+            "",
+            "CPU executor: smallest result shard delivered by a cross-memory write (default: the "
+            "selector's value, 32K).",
+        ),
+        EnvVar(
             "NVRAR_TUNING_FILE",
             "",
             "Selector table written by `nvrar tune` (JSON); default ~/.cache/nvrar/tuning.json if present.",

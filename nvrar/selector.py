@@ -12,7 +12,7 @@ from typing import Optional
 
 from . import env
 
-__all__ = ["VARIANTS", "variant_code", "oneshot_max_bytes"]
+__all__ = ["VARIANTS", "variant_code", "oneshot_max_bytes", "cma_min_bytes", "cma_piece_bytes"]
 
 # Codes shared with csrc/cpu/executor.h (Variant).
 VARIANTS = {"auto": 0, "two-shot": 1, "one-shot": 2}
@@ -30,8 +30,12 @@ def variant_code(name: Optional[str]) -> int:
 
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
 # G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
-# per rank whatever G is. Measured with nvrar-bench on a 2-core x86 host (README, "Tuning").
-_CPU_ONESHOT_MAX = {1: 1 << 20, 2: 32 << 10}
+# per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
+# wins up to 4 KB, two-shot from 8 KB on (nvrar-bench --min-bytes 64 --max-bytes 32K --algos
+# one-shot,two-shot, 2 ranks on a 2-core x86 host, README "Tuning"). G = 1 has no intra-node
+# phase, so both variants move the same bytes. Larger G: not measured here (more ranks than
+# cores); 16 KB is a guess between the two costs.
+_CPU_ONESHOT_MAX = {1: 1 << 20, 2: 4 << 10}
 _CPU_ONESHOT_MAX_DEFAULT = 16 << 10
 
 
@@ -43,3 +47,23 @@ def oneshot_max_bytes(device: str, world_size: int, ranks_per_node: int) -> int:
     if device == "cpu":
         return _CPU_ONESHOT_MAX.get(ranks_per_node, _CPU_ONESHOT_MAX_DEFAULT)
     return _CPU_ONESHOT_MAX_DEFAULT
+
+
+# Smallest result shard (bytes) that the CPU executor delivers into a peer's private output by a
+# cross-memory write (one system call, which pins the pages) instead of letting the peer copy it
+# out of the shared segment.
+_CPU_CMA_MIN = 32 << 10
+
+
+def cma_min_bytes(device: str, ranks_per_node: int) -> int:
+    override = env.get_bytes("NVRAR_CMA_MIN_BYTES")
+    return _CPU_CMA_MIN if override is None else override
+
+
+# Cross-memory transfers are split into pieces of this size (bytes), each fetched, reduced and
+# pushed while it is in cache; whole shards of a few MB would spill a 2 MB L2 cache.
+_CPU_CMA_PIECE = 128 << 10
+
+
+def cma_piece_bytes(device: str, ranks_per_node: int) -> int:
+    return _CPU_CMA_PIECE

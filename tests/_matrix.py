@@ -90,10 +90,12 @@ class Checker:
         self.checked = 0
         self.hash = hashlib.sha256()
 
-    def record(self, label: str, got: Any, want: Any) -> None:
+    def record(self, label: str, got: Any, want: Any, key: str = "") -> None:
+        """Check got == want bitwise; hash `key` (default: the label) and the bits for the
+        cross-rank comparison."""
         self.checked += 1
         data = as_bytes(got)
-        self.hash.update(label.encode())
+        self.hash.update((key or label).encode())
         self.hash.update(data)
         if data != as_bytes(want) and len(self.failures) < 20:
             self.failures.append(f"rank {self.comm.rank}: {label}: got {got.ravel()[:8]} want {want.ravel()[:8]}")
@@ -128,7 +130,7 @@ def run_case(comm: Any, chk: Checker, kind: str, name: str, dtype: Any, count: i
     else:
         res = comm.all_reduce(x, op, algo=algo)
         assert res is x
-    chk.record(label, res, want)
+    chk.record(label, res, want, key=f"{kind}/{name}/n={count}/{op}/{algo}")  # modes may differ by rank
 
 
 def counts_for(comm: Any, quick: bool) -> List[int]:
@@ -191,7 +193,9 @@ def run_burst(comm: Any, calls: int, seed: int, max_count: int = 20000) -> Dict[
         count = int(rng.integers(1, max_count))
         op = OPS[int(rng.integers(len(OPS)))]
         algo = ("auto", "one-shot", "two-shot")[int(rng.integers(3))]
-        mode = MODES[int(rng.integers(len(MODES)))]
+        # Buffer modes differ between ranks within one call: peers that pull, take pushes into
+        # their pool, or take cross-memory writes meet in the same all-gather.
+        mode = MODES[(int(rng.integers(len(MODES))) + comm.rank) % len(MODES)]
         run_case(comm, chk, kind, name, dtype, count, op, algo, mode, salt=i % 11, want_cache=cache)
         if len(cache) > 64:
             cache.clear()

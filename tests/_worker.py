@@ -34,6 +34,7 @@ def task_matrix(args: dict) -> dict:
                               timeout=args.get("timeout", 60))
     report = _matrix.run_matrix(comm, quick=args.get("quick", False))
     report["burst"] = _matrix.run_burst(comm, calls=args.get("burst", 300), seed=args.get("seed", 1))
+    report["cma_enabled"] = comm._ex.cma_enabled
     comm.close()
     return report
 

@@ -83,11 +83,15 @@ def test_bad_input_raises_before_communicating():
         assert rep["epoch"] == 1  # no bad call reached the protocol
 
 
-@pytest.mark.parametrize("world,G,calls", [(4, 2, 3000), (5, 1, 1500), (3, 3, 1500)])
-def test_jitter_thousands_of_calls(world, G, calls):
+@pytest.mark.parametrize("world,G,calls,extra", [
+    (4, 2, 3000, {"NVRAR_CMA_MIN_BYTES": "64"}),  # pushes by cross-memory write
+    (5, 1, 1500, {}),
+    (3, 3, 1500, {"NVRAR_CMA": "0"}),             # pulls from the segment
+])
+def test_jitter_thousands_of_calls(world, G, calls, extra):
     """Random delays before puts and after signals; every result checked exactly."""
-    reports = assert_all_ok(launch(world, "jitter", {"G": G, "calls": calls, "max_bytes": 4096},
-                                   env={"NVRAR_JITTER_US": "40", "NVRAR_JITTER_SEED": "12345"}, timeout=400))
+    env = {"NVRAR_JITTER_US": "40", "NVRAR_JITTER_SEED": "12345", **extra}
+    reports = assert_all_ok(launch(world, "jitter", {"G": G, "calls": calls, "max_bytes": 4096}, env=env, timeout=400))
     for rep in reports:
         assert rep["burst"]["failures"] == []
         assert rep["burst"]["checked"] == calls

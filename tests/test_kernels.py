@@ -16,7 +16,7 @@ SUM, MAX, MIN, AVG = 0, 1, 2, 3
 
 def reduce(srcs, dtype_code, op, world=1):
     dst = np.empty_like(srcs[0])
-    _C.reduce_into(dst.ctypes.data, [s.ctypes.data for s in srcs], srcs[0].size, dtype_code, op, world)
+    _C.reduce_into([dst.ctypes.data], [s.ctypes.data for s in srcs], srcs[0].size, dtype_code, op, world)
     return dst
 
 
@@ -104,5 +104,17 @@ def test_reduce_into_in_place_aliasing():
     """dst may be a source (the inter-node combine writes into its own landing zone)."""
     a = np.arange(1000, dtype=np.float32)
     b = np.ones(1000, dtype=np.float32)
-    _C.reduce_into(b.ctypes.data, [a.ctypes.data, b.ctypes.data], 1000, F32, SUM, 1)
+    _C.reduce_into([b.ctypes.data], [a.ctypes.data, b.ctypes.data], 1000, F32, SUM, 1)
     assert np.array_equal(b, np.arange(1000, dtype=np.float32) + 1)
+
+
+@pytest.mark.parametrize("count", [1, 64, 1000, 4099])
+def test_reduce_into_several_destinations(count):
+    """The push all-gather stores one reduced tile to several outputs; one may alias a source."""
+    a = np.arange(count, dtype=np.float32)
+    b = np.full(count, 0.5, dtype=np.float32)
+    outs = [np.zeros(count, np.float32) for _ in range(3)]
+    _C.reduce_into([o.ctypes.data for o in outs] + [b.ctypes.data], [a.ctypes.data, b.ctypes.data], count, F32, SUM, 1)
+    want = np.arange(count, dtype=np.float32) + np.float32(0.5)
+    for o in outs + [b]:
+        assert o.tobytes() == want.tobytes()

@@ -19,14 +19,22 @@ def check_reports(reports, world):
         assert len(digests) == 1, f"{section}: results differ between ranks (bitwise)"
 
 
+# Result delivery: with a tiny threshold every two-shot shard goes by cross-memory write (or by
+# direct store into a pool output); with NVRAR_CMA=0 private outputs pull from the segment.
+DELIVERY = {"cma": {"NVRAR_CMA_MIN_BYTES": "64"}, "pull": {"NVRAR_CMA": "0"}}
+
+
+@pytest.mark.parametrize("delivery", sorted(DELIVERY))
 @pytest.mark.parametrize("world,G", LAYOUTS, ids=[f"W{w}G{g}" for w, g in LAYOUTS])
-def test_matrix(world, G):
+def test_matrix(world, G, delivery):
     """dtypes x ops x counts (0, 1, G-1, primes, > max_bytes) x in/out of place x zero-copy x
     variants, then 300 back-to-back calls of varying size with no barrier."""
-    reports = assert_all_ok(launch(world, "matrix", {"G": G, "max_bytes": 8192, "burst": 300}))
+    reports = assert_all_ok(launch(world, "matrix", {"G": G, "max_bytes": 8192, "burst": 300},
+                                   env=DELIVERY[delivery]))
     check_reports(reports, world)
     assert reports[0]["checked"] >= 2000  # the whole matrix ran
     assert reports[0]["burst"]["checked"] == 300
+    assert all(r["cma_enabled"] == (delivery == "cma") for r in reports)
 
 
 def test_torch_distributed_groups():

@@ -1,6 +1,7 @@
 #include "executor.h"
 
 #include <sched.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@ constexpr size_t kMinChunkBytes = 256;               // smallest max_bytes accep
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a waiter checks its peer's process
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
+constexpr double kQuiesceMaxS = 5.0;  // longest a failing rank waits for peers to stop touching its buffers (s)
 
 // Host-side header at the start of every segment (page 0). Written by its owner at creation;
 // the call fields are rewritten (relaxed) at the start of every call, before its first flag.
@@ -34,6 +36,8 @@ struct SegmentHeader {
   uint64_t config_hash;
   int64_t pid;
   uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
+  uint64_t self_base;   // where the owner maps this segment (target of the cross-memory probe)
+  uint64_t failed_epoch;  // != 0: the owner failed in this round and no longer touches any peer's memory
   uint64_t call_epoch;
   uint64_t call_count;
   int32_t call_dtype;
@@ -46,7 +50,8 @@ static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header mus
 
 struct Cell {
   uint64_t word;
-  uint64_t aux;
+  uint64_t aux0;  // ready: byte offset of the sender's input; final: offset of its final shard
+  uint64_t aux1;  // ready: OutRef of the sender's output (protocol/plan.h)
 };
 
 inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -101,6 +106,7 @@ CpuConfig checked(CpuConfig c) {
   NVRAR_CHECK(c.max_bytes >= kMinChunkBytes, "max_bytes must be at least ", kMinChunkBytes, ", got ", c.max_bytes);
   NVRAR_CHECK(c.timeout_s > 0, "timeout must be positive, got ", c.timeout_s);
   c.max_bytes = c.max_bytes / 64 * 64;  // chunk starts keep 64-byte alignment
+  c.cma_piece_bytes = std::max<size_t>(c.cma_piece_bytes / 64 * 64, 4096);
   return c;
 }
 
@@ -126,6 +132,7 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   h->config_hash = config_hash(cfg_, layout_);
   h->pid = static_cast<int64_t>(getpid());
   h->start_time = proc_stat(h->pid).first;
+  h->self_base = reinterpret_cast<uint64_t>(heap_.mine());
   rng_ = (cfg_.jitter_seed ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(cfg_.rank + 1))) | 1u;
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   cpu_set_t set;
@@ -133,6 +140,18 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   // More ranks than cores: yield almost at once so that the rank we wait for can run.
   spin_iters_ = cfg_.world > ncpu ? 16 : 4096;
   srcs_.resize(static_cast<size_t>(cfg_.ranks_per_node));
+  dsts_.resize(static_cast<size_t>(cfg_.ranks_per_node) + 1);
+  piece_dsts_.resize(dsts_.size());
+  piece_srcs_.resize(srcs_.size());
+  src_remote_.resize(srcs_.size());
+  peer_out_.resize(static_cast<size_t>(cfg_.ranks_per_node));
+  peer_pid_.resize(static_cast<size_t>(cfg_.world));
+}
+
+void CpuExecutor::enable_cma(bool on) {
+  cma_ = on && cfg_.cma;
+  // Room for the shards of all other local ranks (pages are taken on first touch).
+  if (cma_) cma_scratch_.resize(static_cast<size_t>(cfg_.ranks_per_node - 1) * (cfg_.cma_piece_bytes + 64));
 }
 
 CpuExecutor::~CpuExecutor() { close(); }
@@ -154,7 +173,22 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
                 "use the same settings");
     if (r != cfg_.rank && h->start_time != 0 && proc_stat(h->pid).first == h->start_time)
       peer_start_times_[static_cast<size_t>(r)] = h->start_time;
+    peer_pid_[static_cast<size_t>(r)] = h->pid;
   }
+}
+
+bool CpuExecutor::probe_cma() const {
+  if (!cfg_.cma) return false;
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r == cfg_.rank) continue;
+    const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(r));
+    uint64_t magic = 0;
+    struct iovec local = {&magic, sizeof(magic)};
+    struct iovec remote = {reinterpret_cast<void*>(h->self_base), sizeof(magic)};
+    if (process_vm_readv(static_cast<pid_t>(h->pid), &local, 1, &remote, 1, 0) != sizeof(magic) || magic != kMagic)
+      return false;  // not permitted (ptrace policy), or the pid is not that process (other pid namespace)
+  }
+  return true;
 }
 
 Variant CpuExecutor::resolve(Variant v, size_t bytes) const {
@@ -194,80 +228,168 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   if (v == Variant::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.zone_bytes / 64 * 64);
   const size_t chunk = chunk_bytes / es;
 
-  // Zero-copy: an input that lives in my pool is read by the peers where it is.
+  // Zero-copy: an input that lives in my pool is read by the peers where it is; an output in my
+  // pool is written by the peers directly.
   const char* pin = static_cast<const char*>(in);
+  char* pout = static_cast<char*>(out);
   const char* pool = pool_base();
   const bool in_pool = pin >= pool && pin + count * es <= pool + layout_.pool_bytes;
+  const bool out_pool = pout >= pool && pout + count * es <= pool + layout_.pool_bytes;
 
-  char* pout = static_cast<char*>(out);
   for (size_t off = 0; off < count; off += chunk) {
     const size_t n = std::min(chunk, count - off);
-    round(pin + off * es, pout + off * es, n, es, in_pool ? pin + off * es : nullptr, v, sig, fn, sc);
+    round(pin + off * es, pout + off * es, n, es, in_pool, out_pool, v, sig, fn, sc);
   }
 }
 
-void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, const char* in_pool, Variant v,
+void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Variant v,
                         uint32_t sig, ReduceFn fn, Scale sc) {
   const uint64_t e = ++epoch_;
   if (v == Variant::kOneShot)
     round_one_shot(in, out, n, es, e, sig, fn, sc);
   else
-    round_two_shot(in, out, n, es, in_pool, e, sig, fn, sc);
+    round_two_shot(in, out, n, es, in_pool, out_pool, e, sig, fn, sc);
 }
 
 // Two-shot round; see NOTE [epoch protocol] in protocol/plan.h.
-void CpuExecutor::round_two_shot(const char* in, char* out, size_t n, size_t es, const char* in_pool, uint64_t e,
-                                 uint32_t sig, ReduceFn fn, Scale sc) {
+void CpuExecutor::round_two_shot(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool,
+                                 uint64_t e, uint32_t sig, ReduceFn fn, Scale sc) {
   const int p = static_cast<int>(e & 1);
   const uint64_t word = flag_word(e, sig);
   const int G = where_.G;
   const int me = where_.local;
   char* my = heap_.mine();
   const Range mine = shard_range(n, static_cast<int>(es), G, me);
+  const size_t mine_off = mine.begin * es;
+  const size_t mine_bytes = mine.size() * es;
+  const Scale none = make_scale(RedOp::kSum, 1);
 
   // Stage-in. Local peer h reads only shard h of my input; shard `me` is read by me alone, so it
-  // stays where it is. A zero-copy input is read in place.
-  size_t data_off;
-  if (in_pool != nullptr) {
-    data_off = static_cast<size_t>(in_pool - my);
+  // stays where it is. A zero-copy input is read in place; with cross-memory access enabled and a
+  // shard worth a system call, the peers read my private input directly (one copy instead of two).
+  const bool use_cma = cma_ && n * es / static_cast<size_t>(G) >= cfg_.cma_min_bytes;
+  uint64_t in_ref;
+  if (in_pool) {
+    in_ref = make_ref(kRefShm, static_cast<uint64_t>(in - my));
+  } else if (use_cma) {
+    in_ref = make_ref(kRefCma, reinterpret_cast<uint64_t>(in));
   } else {
-    data_off = layout_.staging(p);
+    const size_t staging = layout_.staging(p);
+    in_ref = make_ref(kRefShm, staging);
     if (G > 1) {
-      std::memcpy(my + data_off, in, mine.begin * es);
-      std::memcpy(my + data_off + mine.end * es, in + mine.end * es, (n - mine.end) * es);
+      std::memcpy(my + staging, in, mine_off);
+      std::memcpy(my + staging + mine.end * es, in + mine.end * es, (n - mine.end) * es);
     }
   }
+  // How my peers deliver their result shards to me: straight into my output when they can reach
+  // it (it is in my pool, or cross-memory writes are enabled and worth their system call).
+  uint64_t out_ref = make_ref(kRefPull, 0);
+  if (out_pool)
+    out_ref = make_ref(kRefShm, static_cast<uint64_t>(out - my));
+  else if (use_cma)
+    out_ref = make_ref(kRefCma, reinterpret_cast<uint64_t>(out));
+  if (ref_kind(in_ref) == kRefCma || ref_kind(out_ref) == kRefCma) exposed_epoch_ = e;
   if (G > 1) jitter();
   for (int h = 0; h < G; ++h)
-    if (h != me) signal(where_.rank_of(where_.node, h), layout_.ready_cell(p, me), word, data_off);
+    if (h != me) signal(where_.rank_of(where_.node, h), layout_.ready_cell(p, me), word, in_ref, out_ref);
 
   // Intra-node reduce-scatter of shard `me`, sources in local-rank order.
+  bool any_pull = false;
+  bool any_remote = false;
   for (int h = 0; h < G; ++h) {
+    const size_t hs = static_cast<size_t>(h);
+    src_remote_[hs] = 0;
     if (h == me) {
-      srcs_[static_cast<size_t>(h)] = in + mine.begin * es;
+      srcs_[hs] = in + mine_off;
+      continue;
+    }
+    const int peer = where_.rank_of(where_.node, h);
+    const auto aux = wait(layout_.ready_cell(p, h), e, sig, Site{Phase::kReduceScatter, 0, peer});
+    if (ref_kind(aux.first) == kRefCma) {
+      src_remote_[hs] = ref_value(aux.first) + mine_off;  // read from h's private memory, below
+      any_remote = true;
     } else {
+      srcs_[hs] = heap_.base(peer) + ref_value(aux.first) + mine_off;
+    }
+    peer_out_[hs] = aux.second;
+    any_pull = any_pull || ref_kind(aux.second) == kRefPull;
+  }
+  const size_t res = layout_.result(p);
+  // Destinations of the reduced shard. One node: my output, the outputs of the peers that take
+  // pushes into their pool, and my result slot for the peers that pull. Several nodes: the result
+  // slot, where the inter-node phase starts.
+  int nd = 0;
+  bool any_cma_push = false;
+  if (where_.N == 1) {
+    dsts_[nd++] = out + mine_off;
+    for (int h = 0; h < G; ++h) {
+      const uint64_t ref = peer_out_[static_cast<size_t>(h)];
+      if (h == me) continue;
+      if (ref_kind(ref) == kRefShm) dsts_[nd++] = heap_.base(where_.rank_of(where_.node, h)) + ref_value(ref) + mine_off;
+      any_cma_push = any_cma_push || ref_kind(ref) == kRefCma;
+    }
+    if (any_pull) dsts_[nd++] = my + res;
+  } else {
+    dsts_[nd++] = my + res;
+  }
+  // Piece by piece when cross-memory transfers are involved, so that each piece is fetched,
+  // reduced and pushed while it is in cache; else in one go.
+  const size_t piece = (any_remote || any_cma_push) ? cfg_.cma_piece_bytes : mine_bytes;
+  if (nd > 1 || any_cma_push) jitter();
+  for (size_t off = 0; off < mine_bytes; off += piece) {
+    const size_t len = std::min(piece, mine_bytes - off);
+    char* scratch = cma_scratch_.data();
+    for (int h = 0; h < G; ++h) {
+      const size_t hs = static_cast<size_t>(h);
+      if (src_remote_[hs] != 0) {
+        const int peer = where_.rank_of(where_.node, h);
+        cma_read(peer, scratch, src_remote_[hs] + off, len, Site{Phase::kReduceScatter, 0, peer}, e);
+        piece_srcs_[hs] = scratch;
+        scratch += align_up(len, 64);
+      } else {
+        piece_srcs_[hs] = srcs_[hs] + off;
+      }
+    }
+    for (int d = 0; d < nd; ++d) piece_dsts_[static_cast<size_t>(d)] = dsts_[static_cast<size_t>(d)] + off;
+    fn(reinterpret_cast<void* const*>(piece_dsts_.data()), nd, reinterpret_cast<const void* const*>(piece_srcs_.data()),
+       G, len / es, where_.N == 1 ? sc : none);
+    if (!any_cma_push) continue;
+    for (int h = 0; h < G; ++h) {
+      const uint64_t ref = peer_out_[static_cast<size_t>(h)];
+      if (h == me || ref_kind(ref) != kRefCma) continue;
       const int peer = where_.rank_of(where_.node, h);
-      const uint64_t off = wait(layout_.ready_cell(p, h), e, sig, Site{Phase::kReduceScatter, 0, peer});
-      srcs_[static_cast<size_t>(h)] = heap_.base(peer) + off + mine.begin * es;
+      cma_write(peer, out + mine_off + off, ref_value(ref) + mine_off + off, len, Site{Phase::kAllGather, 0, peer}, e);
     }
   }
-  const Scale none = make_scale(RedOp::kSum, 1);
-  fn(my + layout_.result(p), reinterpret_cast<const void* const*>(srcs_.data()), G, mine.size(),
-     where_.N == 1 ? sc : none);
+  size_t final_off = res;
+  if (where_.N > 1) {
+    // Inter-node recursive doubling of shard `me`, then deliver the final shard.
+    final_off = inter_node(mine.size(), es, e, sig, fn, sc);
+    const char* fin = my + final_off;
+    std::memcpy(out + mine_off, fin, mine_bytes);
+    for (int h = 0; h < G; ++h) {
+      const uint64_t ref = peer_out_[static_cast<size_t>(h)];
+      if (h == me || ref_kind(ref) == kRefPull) continue;
+      const int peer = where_.rank_of(where_.node, h);
+      jitter();
+      if (ref_kind(ref) == kRefShm)
+        std::memcpy(heap_.base(peer) + ref_value(ref) + mine_off, fin, mine_bytes);
+      else
+        cma_write(peer, fin, ref_value(ref) + mine_off, mine_bytes, Site{Phase::kAllGather, 0, peer}, e);
+    }
+  }
 
-  // Inter-node recursive doubling of shard `me`.
-  const size_t final_off = where_.N > 1 ? inter_node(mine.size(), es, e, sig, fn, sc) : layout_.result(p);
-
-  // All-gather: publish my final shard, then collect every shard into the output.
+  // All-gather: my shard is delivered (or ready to pull); collect what was not pushed to me.
   for (int h = 0; h < G; ++h)
     if (h != me) signal(where_.rank_of(where_.node, h), layout_.final_cell(p, me), word, final_off);
-  std::memcpy(out + mine.begin * es, my + final_off, mine.size() * es);
   for (int h = 0; h < G; ++h) {
     if (h == me) continue;
     const int peer = where_.rank_of(where_.node, h);
-    const uint64_t off = wait(layout_.final_cell(p, h), e, sig, Site{Phase::kAllGather, 0, peer});
-    const Range rh = shard_range(n, static_cast<int>(es), G, h);
-    std::memcpy(out + rh.begin * es, heap_.base(peer) + off, rh.size() * es);
+    const auto aux = wait(layout_.final_cell(p, h), e, sig, Site{Phase::kAllGather, 0, peer});
+    if (ref_kind(out_ref) == kRefPull) {
+      const Range rh = shard_range(n, static_cast<int>(es), G, h);
+      std::memcpy(out + rh.begin * es, heap_.base(peer) + aux.first, rh.size() * es);
+    }
   }
 }
 
@@ -293,15 +415,18 @@ void CpuExecutor::round_one_shot(const char* in, char* out, size_t n, size_t es,
       srcs_[static_cast<size_t>(h)] = in;
     } else {
       const int peer = where_.rank_of(where_.node, h);
-      const uint64_t off = wait(layout_.ready_cell(p, h), e, sig, Site{Phase::kOneShot, 0, peer});
-      srcs_[static_cast<size_t>(h)] = heap_.base(peer) + off;
+      const auto aux = wait(layout_.ready_cell(p, h), e, sig, Site{Phase::kOneShot, 0, peer});
+      srcs_[static_cast<size_t>(h)] = heap_.base(peer) + aux.first;
     }
   }
+  const void* const* srcs = reinterpret_cast<const void* const*>(srcs_.data());
   if (where_.N == 1) {
-    fn(out, reinterpret_cast<const void* const*>(srcs_.data()), G, n, sc);
+    void* const dst[1] = {out};
+    fn(dst, 1, srcs, G, n, sc);
     return;
   }
-  fn(my + layout_.result(p), reinterpret_cast<const void* const*>(srcs_.data()), G, n, make_scale(RedOp::kSum, 1));
+  void* const dst[1] = {my + layout_.result(p)};
+  fn(dst, 1, srcs, G, n, make_scale(RedOp::kSum, 1));
   const size_t final_off = inter_node(n, es, e, sig, fn, sc);
   std::memcpy(out, my + final_off, n * es);
 }
@@ -330,7 +455,8 @@ size_t CpuExecutor::inter_node(size_t n, size_t es, uint64_t e, uint32_t sig, Re
         const char* acc = my + layout_.acc_location(p, loc);
         ops[0] = st.mine_first ? acc : dst;
         ops[1] = st.mine_first ? dst : acc;
-        fn(dst, ops, 2, n, st.slot == last_exchange ? sc : none);
+        void* const dsts[1] = {dst};
+        fn(dsts, 1, ops, 2, n, st.slot == last_exchange ? sc : none);
       }
       loc = st.slot;
     }
@@ -338,14 +464,53 @@ size_t CpuExecutor::inter_node(size_t n, size_t es, uint64_t e, uint32_t sig, Re
   return layout_.acc_location(p, loc);
 }
 
-void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux) {
+void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1) {
   auto* c = reinterpret_cast<Cell*>(heap_.base(peer) + cell_off);
-  store_relaxed(&c->aux, aux);
+  store_relaxed(&c->aux0, aux0);
+  store_relaxed(&c->aux1, aux1);
   store_release(&c->word, word);
   jitter();
 }
 
-uint64_t CpuExecutor::wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site) {
+void CpuExecutor::cma_write(int peer, const void* local, uint64_t remote, size_t bytes, const Site& site,
+                            uint64_t epoch) {
+  cma_transfer(true, peer, const_cast<void*>(local), remote, bytes, site, epoch);
+}
+
+void CpuExecutor::cma_read(int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch) {
+  cma_transfer(false, peer, local, remote, bytes, site, epoch);
+}
+
+// One cross-memory copy between my memory and a peer's private memory (process_vm_readv/writev),
+// resumed after partial transfers.
+void CpuExecutor::cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site,
+                               uint64_t epoch) {
+  const pid_t pid = static_cast<pid_t>(peer_pid_[static_cast<size_t>(peer)]);
+  auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
+  size_t done = 0;
+  while (done < bytes) {
+    // A peer that failed may return from its call and free the memory we are about to touch:
+    // stop at once (it waits for us to stop before it returns, see quiesce()).
+    if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+    struct iovec l = {static_cast<char*>(local) + done, bytes - done};
+    struct iovec r = {reinterpret_cast<void*>(remote + done), bytes - done};
+    const ssize_t k = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (k > 0) {
+      done += static_cast<size_t>(k);
+      continue;
+    }
+    if (k < 0 && errno == EINTR) continue;
+    const int err = k < 0 ? errno : EIO;
+    if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+    if (err == ESRCH) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, 0);
+    fail(ProtocolError::Kind::kViolation,
+         std::string("cross-memory ") + (write ? "write into" : "read from") + " the peer's buffer failed: " +
+             std::strerror(err),
+         site, epoch, 0);
+  }
+}
+
+std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site) {
   auto* c = reinterpret_cast<Cell*>(heap_.mine() + cell_off);
   const uint64_t target = flag_word(epoch, 0);
   uint64_t w = load_acquire(&c->word);
@@ -391,7 +556,7 @@ uint64_t CpuExecutor::wait(size_t cell_off, uint64_t epoch, uint32_t sig, const 
        << " called " << describe_call(site.peer);
     fail(ProtocolError::Kind::kMismatch, os.str(), site, epoch, flag_epoch(w));
   }
-  return load_relaxed(&c->aux);
+  return {load_relaxed(&c->aux0), load_relaxed(&c->aux1)};
 }
 
 std::string CpuExecutor::describe_call(int rank) const {
@@ -427,15 +592,16 @@ void CpuExecutor::fail(ProtocolError::Kind kind, const std::string& what, const 
   for (int r = 0; r < cfg_.world; ++r) {
     if (r == cfg_.rank) continue;
     auto* c = reinterpret_cast<Cell*>(heap_.base(r) + layout_.abort_cell());
-    store_relaxed(&c->aux, static_cast<uint64_t>(cfg_.rank) | (static_cast<uint64_t>(kind) << 32));
+    store_relaxed(&c->aux0, static_cast<uint64_t>(cfg_.rank) | (static_cast<uint64_t>(kind) << 32));
     store_release(&c->word, flag_word(epoch, 1));
   }
+  quiesce(epoch);
   throw ProtocolError(kind, msg, cfg_.rank, site.peer, site.phase, site.step, epoch, observed);
 }
 
 void CpuExecutor::fail_from_abort(const Site& site, uint64_t epoch) {
   auto* c = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
-  const uint64_t aux = load_relaxed(&c->aux);
+  const uint64_t aux = load_relaxed(&c->aux0);
   const int origin = static_cast<int>(aux & 0xffffffffu);
   auto kind = static_cast<ProtocolError::Kind>(aux >> 32);
   std::string text = "(no message)";
@@ -449,7 +615,38 @@ void CpuExecutor::fail_from_abort(const Site& site, uint64_t epoch) {
      << ", step " << site.step << ", waiting for rank " << site.peer << ", epoch " << epoch << "); rank " << origin
      << " reported: " << text;
   failure_ = os.str();
+  quiesce(epoch);
   throw ProtocolError(kind, failure_, cfg_.rank, site.peer, site.phase, site.step, epoch, 0);
+}
+
+// On failure, before the exception reaches the user: say that I touch no peer's memory any more,
+// then, if this round exposed my private buffers to cross-memory access, wait (bounded) until
+// every local peer is done with them -- it stored final(e) to me, failed itself, or exited. Else a
+// peer could still write into an output the user frees or reuses after catching the error.
+void CpuExecutor::quiesce(uint64_t epoch) {
+  auto* mine = reinterpret_cast<SegmentHeader*>(heap_.mine());
+  store_release(&mine->failed_epoch, epoch);
+  if (exposed_epoch_ != epoch) return;
+  const int p = static_cast<int>(epoch & 1);
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                           std::chrono::duration<double>(std::min(cfg_.timeout_s, kQuiesceMaxS)));
+  for (int h = 0; h < where_.G; ++h) {
+    if (h == where_.local) continue;
+    const int peer = where_.rank_of(where_.node, h);
+    const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + layout_.final_cell(p, h));
+    const auto* ph = reinterpret_cast<const SegmentHeader*>(heap_.base(peer));
+    auto next_liveness = clock::now();
+    while (flag_epoch(load_acquire(&c->word)) < epoch && load_acquire(&ph->failed_epoch) < epoch) {
+      const auto now = clock::now();
+      if (now >= deadline) break;
+      if (now >= next_liveness) {
+        if (!peer_alive(peer)) break;
+        next_liveness = now + kLivenessPeriod;
+      }
+      sched_yield();
+    }
+  }
 }
 
 void CpuExecutor::jitter() {

@@ -40,6 +40,9 @@ struct CpuConfig {
   double timeout_s = 60.0;                    // deadline of every wait (seconds)
   double jitter_us = 0.0;                     // > 0: random delays up to this long (testing)
   uint64_t jitter_seed = 0;
+  bool cma = true;                            // allow cross-memory writes into peers' private outputs
+  size_t cma_min_bytes = size_t{32} << 10;    // smallest shard (bytes) moved by cross-memory reads/writes
+  size_t cma_piece_bytes = size_t{256} << 10; // cross-memory transfers go piece by piece, this large (bytes)
 };
 
 class CpuExecutor {
@@ -51,6 +54,11 @@ class CpuExecutor {
   const std::string& segment_name() const { return heap_.name(); }
   void attach(const std::vector<std::string>& names);
   void unlink_segment() { heap_.unlink(); }
+  // Whether this rank can write into every peer's private memory (process_vm_writev). Every rank
+  // must then call enable_cma with the AND over all ranks, so that all agree.
+  bool probe_cma() const;
+  void enable_cma(bool on);
+  bool cma_enabled() const { return cma_; }
 
   // out = reduce(in) over all ranks. in == out is in place. `count` elements of `dtype`.
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant);
@@ -75,9 +83,9 @@ class CpuExecutor {
     int peer;  // rank we wait for
   };
 
-  void round(const char* in, char* out, size_t n, size_t elem_size, const char* in_pool, Variant v,
+  void round(const char* in, char* out, size_t n, size_t elem_size, bool in_pool, bool out_pool, Variant v,
              uint32_t sig, ReduceFn fn, Scale sc);
-  void round_two_shot(const char* in, char* out, size_t n, size_t es, const char* in_pool, uint64_t e,
+  void round_two_shot(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, uint64_t e,
                       uint32_t sig, ReduceFn fn, Scale sc);
   void round_one_shot(const char* in, char* out, size_t n, size_t es, uint64_t e, uint32_t sig, ReduceFn fn,
                       Scale sc);
@@ -85,11 +93,16 @@ class CpuExecutor {
   // the accumulator at result(p). Returns the offset of the final result in my segment.
   size_t inter_node(size_t n, size_t es, uint64_t e, uint32_t sig, ReduceFn fn, Scale sc);
 
-  void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux);
-  uint64_t wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site);
+  void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1 = 0);
+  // Waits for the flag of round `epoch`; returns its aux words.
+  std::pair<uint64_t, uint64_t> wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site);
+  void cma_write(int peer, const void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
+  void cma_read(int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
+  void cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   [[noreturn]] void fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,
                          uint64_t observed);
   [[noreturn]] void fail_from_abort(const Site& site, uint64_t epoch);
+  void quiesce(uint64_t epoch);
   bool peer_alive(int peer) const;
   std::string describe_call(int rank) const;
   void jitter();
@@ -103,6 +116,15 @@ class CpuExecutor {
   std::mutex busy_;
   std::vector<uint64_t> peer_start_times_;  // 0 = liveness unknown for that peer
   std::vector<const char*> srcs_;           // reduce sources, one per local rank (no per-call allocation)
+  std::vector<char*> dsts_;                 // reduce destinations (my output, pushed peers' outputs, my slot)
+  std::vector<char*> piece_dsts_;           // the same, advanced to the current piece
+  std::vector<const char*> piece_srcs_;     // sources of the current piece (scratch for remote ones)
+  std::vector<uint64_t> src_remote_;        // per local rank: address of its shard in its private memory, or 0
+  std::vector<uint64_t> peer_out_;          // per local rank: how it wants its result delivered (OutRef)
+  std::vector<int64_t> peer_pid_;
+  std::vector<char> cma_scratch_;           // private landing space of cross-memory reads (G-1 shards)
+  bool cma_ = false;
+  uint64_t exposed_epoch_ = 0;              // last round whose ready flags exposed my private buffers
   uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
   uint64_t rng_ = 0;
 };

@@ -20,14 +20,14 @@ namespace {
 constexpr int kHostVec = 64;
 
 template <typename T, typename Op>
-void reduce_impl(void* dst, const void* const* src, int nsrc, size_t n, Scale sc) {
-  reduce_slice<kHostVec>(SoloGroup{}, static_cast<T*>(dst), reinterpret_cast<const T* const*>(src), nsrc, n,
-                         Op{}, sc);
+void reduce_impl(void* const* dst, int ndst, const void* const* src, int nsrc, size_t n, Scale sc) {
+  reduce_slice<kHostVec>(SoloGroup{}, reinterpret_cast<T* const*>(dst), ndst, reinterpret_cast<const T* const*>(src),
+                         nsrc, n, Op{}, sc);
 }
 
-#define NVRAR_DEFINE_REDUCE(NAME, T, OP)                                                  \
-  NVRAR_CLONES void NAME(void* dst, const void* const* src, int nsrc, size_t n, Scale sc) { \
-    reduce_impl<T, OP>(dst, src, nsrc, n, sc);                                            \
+#define NVRAR_DEFINE_REDUCE(NAME, T, OP)                                                                   \
+  NVRAR_CLONES void NAME(void* const* dst, int ndst, const void* const* src, int nsrc, size_t n, Scale sc) { \
+    reduce_impl<T, OP>(dst, ndst, src, nsrc, n, sc);                                                       \
   }
 
 NVRAR_DEFINE_REDUCE(reduce_f32_sum, float, OpSum)

@@ -8,8 +8,9 @@
 
 namespace nvrar {
 
-// dst = src[0] op ... op src[nsrc-1] element-wise over n elements, then the avg scale.
-using ReduceFn = void (*)(void* dst, const void* const* src, int nsrc, size_t n, Scale sc);
+// dst[d] = src[0] op ... op src[nsrc-1] element-wise over n elements, then the avg scale, for
+// every destination d < ndst (same bits everywhere).
+using ReduceFn = void (*)(void* const* dst, int ndst, const void* const* src, int nsrc, size_t n, Scale sc);
 
 // The kernel for (dtype, op); avg uses the sum kernel (the scale does the rest).
 ReduceFn cpu_reduce_fn(DType dtype, RedOp op);

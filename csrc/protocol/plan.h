@@ -32,11 +32,16 @@ namespace nvrar {
 //   zone[p][s]   landing zone of inter-node step s, written by exactly one remote partner per round
 //                (put), then combined in place by me; read by my next send and, when it holds my
 //                final shard, by local peers in the all-gather.
-//   user data    a zero-copy input living in my pool (Communicator.empty): read by local peers in
-//                the reduce phase, written by me in the all-gather when the call is in place.
+//   user data    a zero-copy input living in my pool (Communicator.empty), or (CPU, cross-memory
+//                access) my private input: read by local peers in the reduce phase, shard h by
+//                peer h; written (in place) by me and by the peers' pushes in the all-gather.
+//   user output  where my result goes: written by me, and (push all-gather) by each local peer h,
+//                shard h, when my ready flag offers it (aux1: OutRef shm = in my pool, cma = in my
+//                private memory through process_vm_writev); else I pull shard h from h's segment.
 // with p = e % 2 (parity). Flags, each a 64-bit word in a cell of the *receiver's* segment (a
 // sender "pushes" a flag, so every rank polls only its own memory):
-//   ready[p][h]  local peer h staged its input for round e   (aux: byte offset of h's input)
+//   ready[p][h]  local peer h staged its input for round e (aux0: where to read it, an offset in h's
+//                segment, or (CPU) a private address for a cross-memory read; aux1: OutRef)
 //   final[p][h]  local peer h holds its final shard of round e (aux: byte offset of that shard)
 //   inter[p][s]  my partner of step s put its data into my zone[p][s]
 //   abort        some rank failed; aux names it (never cleared: the communicator is dead)
@@ -79,6 +84,11 @@ namespace nvrar {
 //     call returns. r writes shard h only after final(e) from h, stored after h's reduce phase;
 //     r returns only after every local peer's final(e). The one-shot variant never reads a user
 //     buffer of a peer: it always stages, since there all-gather flags do not exist.
+//   user output of r (pushed into by local peers): peer h writes only shard h, only after it saw
+//     ready(e) from r (r stores it once its input is staged, so an in-place input is no longer
+//     read where h writes; shard h of a zero-copy in-place input is read by h alone, tile by tile
+//     before h stores that tile), and before it stores final(e) to r. r returns only after every
+//     final(e), so no push lands after the call returned.
 // Deadlines: every wait above is bounded (NVRAR_TIMEOUT_S). On expiry, on a mismatch or a
 // violation, the rank writes an abort record into every peer's abort cell and raises; a waiting
 // rank that sees its abort cell set raises too. A failed communicator stays failed: no later round
@@ -97,6 +107,15 @@ constexpr int kMaxInterSteps = 31;    // log2 of the largest node count we can a
 NVRAR_HD uint64_t flag_word(uint64_t epoch, uint32_t sig) { return (epoch << kSigBits) | (sig & kSigMask); }
 NVRAR_HD uint64_t flag_epoch(uint64_t word) { return word >> kSigBits; }
 NVRAR_HD uint32_t flag_sig(uint64_t word) { return static_cast<uint32_t>(word & kSigMask); }
+
+// How a rank wants its local peers to deliver their result shards (second aux word of its ready
+// flag): pull (the peer publishes the shard in its own segment and I copy it), shm (the peer
+// stores it straight into my output, which lives in my segment at this offset), or cma (the peer
+// writes it into my private output at this address with a cross-memory write, CPU only).
+constexpr uint64_t kRefPull = 0, kRefShm = 1, kRefCma = 2;
+NVRAR_HD uint64_t make_ref(uint64_t kind, uint64_t value) { return (kind << 62) | value; }
+NVRAR_HD uint64_t ref_kind(uint64_t ref) { return ref >> 62; }
+NVRAR_HD uint64_t ref_value(uint64_t ref) { return ref & ((uint64_t{1} << 62) - 1); }
 
 // Position of one rank in the node-major layout.
 struct Layout {

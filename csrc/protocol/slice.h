@@ -33,9 +33,11 @@ struct GroupView {
 namespace detail {
 
 // Reduce V consecutive elements at `off` (or `len` < V of them, for a tail): canonical source
-// order 0..nsrc-1, accumulation in acc_t<T>, optional avg scale, one rounding at the store.
+// order 0..nsrc-1, accumulation in acc_t<T>, optional avg scale, one rounding, then the same bits
+// stored to every destination.
 template <int V, bool kFull, typename T, typename Op>
-NVRAR_HD void reduce_vec(T* dst, const T* const* src, int nsrc, size_t off, size_t len, Op op, Scale sc) {
+NVRAR_HD void reduce_vec(T* const* dst, int ndst, const T* const* src, int nsrc, size_t off, size_t len, Op op,
+                         Scale sc) {
   acc_t<T> acc[V];
   const size_t m = kFull ? static_cast<size_t>(V) : len;
   {
@@ -49,22 +51,29 @@ NVRAR_HD void reduce_vec(T* dst, const T* const* src, int nsrc, size_t off, size
   if (sc.active()) {
     for (size_t w = 0; w < m; ++w) acc[w] = sc.apply(acc[w]);
   }
-  T* d = dst + off;
-  for (size_t w = 0; w < m; ++w) d[w] = store_acc<T>(acc[w]);
+  T out[V];
+  for (size_t w = 0; w < m; ++w) out[w] = store_acc<T>(acc[w]);
+  for (int d = 0; d < ndst; ++d) {
+    T* q = dst[d] + off;
+    for (size_t w = 0; w < m; ++w) q[w] = out[w];
+  }
 }
 
 }  // namespace detail
 
-// dst[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i] (left to right), then the avg scale,
-// for i in [0, n). dst may be one of the sources (each element is loaded before it is stored).
+// For i in [0, n): r = src[0][i] op src[1][i] op ... op src[nsrc-1][i] (left to right), then the
+// avg scale; r is stored to dst[0][i] .. dst[ndst-1][i] (the push of a reduce-scatter result to
+// several ranks costs no extra reads). A destination may be one of the sources: each tile is
+// loaded completely before any of it is stored.
 // V: elements per vector (host: a cache-friendly tile the compiler vectorizes; device: 16 bytes).
 template <int V, typename T, typename Op, typename Group>
-NVRAR_HD void reduce_slice(const Group& grp, T* dst, const T* const* src, int nsrc, size_t n, Op op, Scale sc) {
+NVRAR_HD void reduce_slice(const Group& grp, T* const* dst, int ndst, const T* const* src, int nsrc, size_t n, Op op,
+                           Scale sc) {
 #if NVRAR_ON_DEVICE
   const size_t step = static_cast<size_t>(grp.size()) * V;
   size_t off = static_cast<size_t>(grp.index()) * V;
-  for (; off + V <= n; off += step) detail::reduce_vec<V, true>(dst, src, nsrc, off, V, op, sc);
-  if (off < n) detail::reduce_vec<V, false>(dst, src, nsrc, off, n - off, op, sc);
+  for (; off + V <= n; off += step) detail::reduce_vec<V, true>(dst, ndst, src, nsrc, off, V, op, sc);
+  if (off < n) detail::reduce_vec<V, false>(dst, ndst, src, nsrc, off, n - off, op, sc);
 #else
   // Contiguous piece of whole vectors per member; the last member also takes the tail.
   const size_t nvec = n / V;
@@ -73,9 +82,9 @@ NVRAR_HD void reduce_slice(const Group& grp, T* dst, const T* const* src, int ns
   size_t hi = lo + per;
   if (lo > nvec) lo = nvec;
   if (hi > nvec) hi = nvec;
-  for (size_t v = lo; v < hi; ++v) detail::reduce_vec<V, true>(dst, src, nsrc, v * V, V, op, sc);
+  for (size_t v = lo; v < hi; ++v) detail::reduce_vec<V, true>(dst, ndst, src, nsrc, v * V, V, op, sc);
   if (grp.index() == grp.size() - 1 && nvec * V < n)
-    detail::reduce_vec<V, false>(dst, src, nsrc, nvec * V, n - nvec * V, op, sc);
+    detail::reduce_vec<V, false>(dst, ndst, src, nsrc, nvec * V, n - nvec * V, op, sc);
 #endif
 }
 
@@ -83,7 +92,8 @@ NVRAR_HD void reduce_slice(const Group& grp, T* dst, const T* const* src, int ns
 template <int V, typename T, typename Op, typename Group>
 NVRAR_HD void combine_slice(const Group& grp, T* dst, const T* a, const T* b, size_t n, Op op, Scale sc) {
   const T* src[2] = {a, b};
-  reduce_slice<V>(grp, dst, src, 2, n, op, sc);
+  T* const dsts[1] = {dst};
+  reduce_slice<V>(grp, dsts, 1, src, 2, n, op, sc);
 }
 
 // dst[i] = src[i] for i in [0, nbytes): stage-in, all-gather, fold-out delivery.
@@ -118,7 +128,8 @@ template <int V, typename T, typename Group>
 NVRAR_HD void scale_slice(const Group& grp, T* dst, size_t n, Scale sc) {
   if (!sc.active()) return;
   const T* src[1] = {dst};
-  reduce_slice<V>(grp, dst, src, 1, n, OpSum{}, sc);
+  T* const dsts[1] = {dst};
+  reduce_slice<V>(grp, dsts, 1, src, 1, n, OpSum{}, sc);
 }
 
 }  // namespace nvrar
