@@ -1,0 +1,113 @@
+"""nvrar-bench: an nccl-tests-style all-reduce latency sweep of nvrar against its peers.
+
+    nvrar-bench                         # 2 local ranks on the CPU, 8 KB .. 16 MB
+    nvrar-bench --ranks 4 --ranks-per-node 2 --json out.json --plot out.png
+    mpirun -n 8 nvrar-bench             # or srun / torchrun: uses those ranks
+
+Started bare, it launches ``--ranks`` local ranks itself (through mpirun when mpirun and mpi4py
+are installed, so that the MPI_Allreduce peer can run; else as plain processes). Under a launcher
+it is one of the ranks. Every measured configuration is verified on exact data (#wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from ..env import parse_bytes
+
+__all__ = ["main", "register", "build_parser"]
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=None,
+                   help="ranks to launch when started bare (default: 2 on CPU, one per visible GPU)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per (emulated) node; less than the world size runs the inter-node path")
+    p.add_argument("--min-bytes", type=_size, default=8 << 10, help="smallest message (default 8K)")
+    p.add_argument("--max-bytes", type=_size, default=16 << 20, help="largest message (default 16M)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "int32"], default="float32")
+    p.add_argument("--op", choices=["sum", "max", "min", "avg"], default="sum")
+    p.add_argument("--iters", type=int, default=100, help="timed iterations per size and backend (default 100)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed iterations first (default 10)")
+    p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
+                   help="comma list of nvrar, mpi, gloo (CPU peers), nccl, nvshmem (GPU peers)")
+    p.add_argument("--algos", default="auto,one-shot,two-shot", help="nvrar variants to measure (default all)")
+    p.add_argument("--buffers", default="ordinary,symmetric",
+                   help="nvrar buffers, comma list: ordinary arrays, and/or symmetric ones from "
+                        "Communicator.empty() (zero-copy); default both")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the buffers live (default cpu)")
+    p.add_argument("--launcher", choices=["auto", "mpirun", "local"], default="auto",
+                   help="how a bare start launches its ranks (default: mpirun if available)")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline of every wait, seconds (default 120)")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+
+
+def build_parser(prog: str = "nvrar-bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.min_bytes <= 0 or args.max_bytes < args.min_bytes:
+        p.error(f"need 0 < --min-bytes <= --max-bytes (got {args.min_bytes}, {args.max_bytes})")
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.ranks is not None and args.ranks < 1:
+        p.error("--ranks must be >= 1")
+    modes = [m.strip() for m in args.buffers.split(",") if m.strip()]
+    if not modes or any(m not in ("ordinary", "symmetric") for m in modes):
+        p.error(f"--buffers takes ordinary and/or symmetric, got {args.buffers!r}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib, or nvrar[bench])")
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ..bootstrap import mpi_launched
+    from .launch import spawn
+
+    args.argv = list(argv)
+    if mpi_launched():
+        from .runner import run_rank
+
+        return run_rank(args, "mpirun/srun")
+    if os.environ.get("WORLD_SIZE") and os.environ.get("RANK"):
+        from .runner import run_rank
+
+        return run_rank(args, os.environ.get("NVRAR_BENCH_LAUNCHER", "torchrun-style env"))
+    return spawn(args, argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    _validate(p, args)
+    return run(args, argv)
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("bench", help="all-reduce latency sweep against peers (same as nvrar-bench)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+
+    def handler(args: argparse.Namespace) -> int:
+        _validate(p, args)
+        argv: List[str] = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else []
+        return run(args, argv)
+
+    p.set_defaults(func=handler)

@@ -1,0 +1,254 @@
+"""The all-reduce implementations the benchmark measures side by side.
+
+Each backend allocates its own buffers, runs one blocking all-reduce per call, and reports why it
+cannot run (``skip_reason``) instead of failing: a peer that is not installed is skipped, never an
+error. CPU peers: MPI_Allreduce (mpi4py) and torch.distributed gloo. GPU peers: torch.distributed
+NCCL and NVSHMEM's own reduction (nvshmem4py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, List, Optional
+
+import numpy as np
+
+from .. import _arrays
+from ..bootstrap import mpi_launched
+
+__all__ = ["Backend", "NvrarBackend", "MPIBackend", "GlooBackend", "NCCLBackend", "NvshmemBackend", "DTYPES"]
+
+# name -> (numpy dtype or None, torch dtype name, element size)
+DTYPES = {
+    "float32": (np.float32, "float32", 4),
+    "float16": (np.float16, "float16", 2),
+    "bfloat16": (None, "bfloat16", 2),
+    "int32": (np.int32, "int32", 4),
+}
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, DTYPES[name][1])
+
+
+class Backend:
+    """One measured implementation. ``algorithm`` names the variant ("auto", "ring", ...)."""
+
+    name = "base"
+    algorithm = "default"
+    buffers = "ordinary"
+    skip_reason: Optional[str] = None
+
+    def supports(self, dtype: str, op: str) -> Optional[str]:
+        """None if (dtype, op) can run, else the reason it cannot."""
+        return None
+
+    def alloc(self, count: int, dtype: str) -> Any:
+        raise NotImplementedError
+
+    def fill(self, buf: Any, values: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def read(self, buf: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def call(self, buf: Any, op: str) -> None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait until every call issued so far has completed (GPU backends)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.algorithm}"
+
+
+class _HostArrays(Backend):
+    """numpy arrays where the dtype allows, torch CPU tensors for bfloat16."""
+
+    def alloc(self, count: int, dtype: str) -> Any:
+        npd = DTYPES[dtype][0]
+        if npd is not None:
+            return np.zeros(count, dtype=npd)
+        import torch
+
+        return torch.zeros(count, dtype=torch_dtype(dtype))
+
+    def fill(self, buf: Any, values: np.ndarray) -> None:
+        if isinstance(buf, np.ndarray):
+            buf[...] = values.astype(buf.dtype)
+        else:
+            import torch
+
+            buf.copy_(torch.from_numpy(values.astype(np.float32)).to(buf.dtype))
+
+    def read(self, buf: Any) -> np.ndarray:
+        if isinstance(buf, np.ndarray):
+            return buf.astype(np.float64)
+        return buf.float().cpu().numpy().astype(np.float64)
+
+
+class NvrarBackend(_HostArrays):
+    name = "nvrar"
+
+    def __init__(self, comm: Any, algorithm: str, symmetric: bool) -> None:
+        self.comm = comm
+        self.algorithm = algorithm
+        self.symmetric = symmetric  # buffers from comm.empty(): zero-copy input and output
+        self.buffers = "symmetric" if symmetric else "ordinary"
+        self._algo = None if algorithm == "auto" else algorithm
+        self._device = "cpu"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.algorithm}" + ("/sym" if self.symmetric else "")
+
+    def alloc(self, count: int, dtype: str) -> Any:
+        if not self.symmetric:
+            return super().alloc(count, dtype)
+        npd = DTYPES[dtype][0]
+        buf = self.comm.empty(count, npd if npd is not None else torch_dtype(dtype))
+        buf[...] = 0
+        return buf
+
+    def call(self, buf: Any, op: str) -> None:
+        self.comm.all_reduce(buf, op, algo=self._algo)
+
+
+class MPIBackend(_HostArrays):
+    """MPI_Allreduce through mpi4py, in place."""
+
+    name = "mpi"
+    algorithm = "MPI_Allreduce"
+
+    def __init__(self) -> None:
+        self._mpi = None
+        if not mpi_launched():
+            self.skip_reason = "not launched by mpirun/srun (the bare launcher uses mpirun when it is installed)"
+            return
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            self.skip_reason = "mpi4py is not installed (pip install mpi4py)"
+            return
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD
+        self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        self.version = MPI.Get_library_version().splitlines()[0].strip()
+
+    def supports(self, dtype: str, op: str) -> Optional[str]:
+        if op not in self._ops:
+            return f"MPI has no {op} reduction"
+        if DTYPES[dtype][0] in (None, np.float16):
+            return f"MPI has no standard {dtype} type"
+        return None
+
+    def call(self, buf: Any, op: str) -> None:
+        self._comm.Allreduce(self._mpi.IN_PLACE, buf, op=self._ops[op])
+
+
+class _TorchDist(Backend):
+    """A torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+
+    device = "cpu"
+
+    def __init__(self, group: Any, skip: Optional[str]) -> None:
+        self.group = group
+        self.skip_reason = skip
+        if skip is None:
+            import torch.distributed as dist
+
+            self._dist = dist
+            self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+                         "avg": dist.ReduceOp.AVG}
+
+    def alloc(self, count: int, dtype: str) -> Any:
+        import torch
+
+        return torch.zeros(count, dtype=torch_dtype(dtype), device=self.device)
+
+    def fill(self, buf: Any, values: np.ndarray) -> None:
+        import torch
+
+        buf.copy_(torch.from_numpy(values.astype(np.float32)).to(buf.dtype))
+
+    def read(self, buf: Any) -> np.ndarray:
+        return buf.float().cpu().numpy().astype(np.float64)
+
+    def call(self, buf: Any, op: str) -> None:
+        self._dist.all_reduce(buf, self._ops[op], group=self.group)
+
+
+class GlooBackend(_TorchDist):
+    name = "gloo"
+    algorithm = "torch.distributed"
+
+    def supports(self, dtype: str, op: str) -> Optional[str]:
+        if op == "avg":
+            return "gloo has no avg reduction"
+        return None
+
+
+class NCCLBackend(_TorchDist):
+    name = "nccl"
+    algorithm = "torch.distributed"
+    device = "cuda"
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class NvshmemBackend(Backend):
+    """NVSHMEM's team all-reduce through nvshmem4py, on the node-spanning world team."""
+
+    name = "nvshmem"
+    algorithm = "nvshmem4py"
+
+    def __init__(self, device: str) -> None:
+        if device != "cuda":
+            self.skip_reason = "needs a GPU"
+            return
+        try:
+            import nvshmem.core  # noqa: F401
+        except Exception as exc:  # not installed, or no usable GPU
+            self.skip_reason = f"nvshmem4py not usable ({type(exc).__name__}: {exc})"
+            return
+        self.skip_reason = "nvshmem4py reduction is wired up by the GPU executor (issue 4)"
+
+
+def available_cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def visible_gpus() -> int:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return 0
+        torch = sys.modules["torch"]
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,0 +1,299 @@
+"""One rank of the benchmark: set up the backends, sweep the sizes, time, verify, report."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .. import __version__
+from ..bootstrap import SingleBootstrap, mpi_launched
+from ..communicator import Communicator
+from . import report
+from .backends import (DTYPES, Backend, GlooBackend, MPIBackend, NCCLBackend, NvrarBackend, NvshmemBackend,
+                       available_cpu_model, cpu_count)
+
+__all__ = ["run_rank", "sizes_between"]
+
+
+def sizes_between(lo: int, hi: int) -> List[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def contribution(rank: int, count: int) -> np.ndarray:
+    i = np.arange(count, dtype=np.int64)
+    return ((i * 7 + rank * 3) % 11 - 5).astype(np.float64)
+
+
+def expected(world: int, count: int, op: str, dtype: str) -> np.ndarray:
+    xs = np.stack([contribution(r, count) for r in range(world)])
+    if op == "sum":
+        v = xs.sum(axis=0)
+    elif op == "max":
+        v = xs.max(axis=0)
+    elif op == "min":
+        v = xs.min(axis=0)
+    else:
+        s = xs.sum(axis=0)
+        v = np.trunc(s / world) if dtype == "int32" else (s.astype(np.float32) * (np.float32(1) / np.float32(world)))
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(np.asarray(v, np.float32)).to(torch.bfloat16).float().numpy().astype(np.float64)
+    return np.asarray(v).astype(DTYPES[dtype][0]).astype(np.float64)
+
+
+class Control:
+    """The benchmark's own coordination (barrier, per-iteration max, verdicts), on a separate nvrar
+    communicator so that it needs nothing beyond nvrar."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def barrier(self) -> None:
+        self.comm.all_reduce(np.zeros(1, np.int32))
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        return self.comm.all_reduce(values, "max")
+
+
+def memcpy_gbps() -> float:
+    n = 16 << 20
+    src = np.ones(n, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return n / float(np.median(times)) / 1e9
+
+
+def call_overhead_us() -> float:
+    with Communicator(group=SingleBootstrap()) as c:
+        x = np.zeros(2, np.float32)
+        for _ in range(2000):
+            c.all_reduce(x)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(20000):
+                c.all_reduce(x)
+            best = min(best, (time.perf_counter() - t0) / 20000)
+    return best * 1e6
+
+
+def versions(backends: List[Backend]) -> Dict[str, str]:
+    v = {"nvrar": __version__, "python": platform.python_version(), "numpy": np.__version__}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        v["torch"] = torch.__version__
+    for b in backends:
+        if isinstance(b, MPIBackend) and b.skip_reason is None:
+            v["mpi"] = b.version
+    return v
+
+
+def setup_torch_dist(device: str, want: bool) -> Optional[str]:
+    """Initialize torch.distributed for the gloo/NCCL peers; returns a skip reason or None."""
+    if not want:
+        return "not requested"
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return "torch is not installed (pip install torch)"
+    if not dist.is_available():
+        return "this torch build has no torch.distributed"
+    if dist.is_initialized():
+        return None
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        init = "env://"
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    elif mpi_launched():
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, world = comm.rank, comm.size
+        addr = None
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            addr = f"tcp://{socket.gethostbyname(socket.gethostname()) if world > 1 else '127.0.0.1'}:{port}"
+        init = comm.bcast(addr, root=0)
+    else:
+        return "no launcher environment for torch.distributed"
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    return None
+
+
+def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str) -> np.ndarray:
+    """Per-iteration latency (us) on this rank."""
+    out = np.empty(iters, np.float32)
+    if device == "cuda" and b.name in ("nccl", "nvshmem", "nvrar"):
+        import torch
+
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for i in range(iters):
+            events[i][0].record()
+            b.call(buf, op)
+            events[i][1].record()
+        torch.cuda.synchronize()
+        for i, (s, e) in enumerate(events):
+            out[i] = s.elapsed_time(e) * 1e3
+        return out
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        t0 = clock()
+        b.call(buf, op)
+        out[i] = (clock() - t0) / 1e3
+    return out
+
+
+def measure(b: Backend, ctl: Control, size: int, args: Any, world: int, rank: int) -> Dict[str, Any]:
+    esize = DTYPES[args.dtype][2]
+    count = size // esize
+    buf = b.alloc(count, args.dtype)
+    # Verification on exact data: # of elements that differ from the exact result, worst rank.
+    b.fill(buf, contribution(rank, count))
+    b.call(buf, args.op)
+    b.synchronize()
+    wrong = int(np.count_nonzero(b.read(buf) != expected(world, count, args.op, args.dtype)))
+    wrong = int(ctl.max(np.array([wrong], np.int32))[0])
+    # Timing on zeros (no data-dependent speed: no denormals, no overflow to inf).
+    b.fill(buf, np.zeros(count))
+    for _ in range(args.warmup):
+        b.call(buf, args.op)
+    b.synchronize()
+    ctl.barrier()
+    t = ctl.max(time_calls(b, buf, args.op, args.iters, args.device))
+    del buf
+    median = float(np.median(t))
+    algbw = size / median / 1e3 if median > 0 else 0.0
+    return {
+        "backend": b.name,
+        "algorithm": b.algorithm,
+        "buffers": b.buffers,
+        "label": b.label,
+        "bytes": size,
+        "count": count,
+        "dtype": args.dtype,
+        "op": args.op,
+        "median_us": median,
+        "p99_us": float(np.percentile(t, 99)),
+        "min_us": float(np.min(t)),
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * 2 * (world - 1) / world if world > 1 else algbw,
+        "wrong": wrong,
+    }
+
+
+def run_rank(args: Any, launcher: str) -> int:
+    names = [s.strip() for s in args.backends.split(",") if s.strip()]
+    want_torch = ("gloo" in names and args.device == "cpu") or ("nccl" in names and args.device == "cuda")
+    torch_skip = setup_torch_dist(args.device, want_torch)
+    heap = max(32 << 20, 2 * args.max_bytes + (1 << 20))
+    ctl_comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=1 << 16)
+    comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap)
+    ctl = Control(ctl_comm)
+    rank, world = comm.rank, comm.world_size
+    out = sys.stdout if rank == 0 else None
+
+    backends: List[Backend] = []
+    skipped: Dict[str, str] = {}
+    if "nvrar" in names:
+        algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+        modes = [m.strip() for m in args.buffers.split(",") if m.strip()]
+        backends += [NvrarBackend(comm, a, mode == "symmetric") for mode in modes for a in algos]
+    if "mpi" in names:
+        backends.append(MPIBackend() if args.device == "cpu" else _skip("mpi", "CPU peer; GPU runs compare NCCL"))
+    if "gloo" in names:
+        backends.append(GlooBackend(None, torch_skip) if args.device == "cpu" else _skip("gloo", "CPU peer"))
+    if "nccl" in names:
+        backends.append(NCCLBackend(None, torch_skip) if args.device == "cuda" else _skip("nccl", "needs a GPU (--device cuda)"))
+    if "nvshmem" in names:
+        backends.append(NvshmemBackend(args.device))
+    for b in backends:
+        if b.skip_reason:
+            skipped[b.name] = b.skip_reason
+    active = [b for b in backends if not b.skip_reason]
+
+    meta: Dict[str, Any] = {
+        "nvrar_version": __version__,
+        "world_size": world,
+        "ranks_per_node": comm.ranks_per_node,
+        "num_nodes": comm.num_nodes,
+        "device": args.device,
+        "hardware": f"{available_cpu_model()} ({cpu_count()} cores)",
+        "dtype": args.dtype,
+        "op": args.op,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "launcher": launcher,
+        "bootstrap": comm.bootstrap,
+        "buffers": args.buffers,
+        "host": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["nvrar-bench"] + list(args.argv)),
+        "skipped": skipped,
+    }
+    ctl.barrier()
+    meta["memcpy_gbps"] = memcpy_gbps() if rank == 0 else 0.0
+    meta["call_overhead_us"] = call_overhead_us() if rank == 0 else 0.0
+    ctl.barrier()
+    meta["versions"] = versions(backends)
+    if out:
+        report.print_lines(report.header_lines(meta) + report.table_header(), out)
+
+    results: List[Dict[str, Any]] = []
+    esize = DTYPES[args.dtype][2]
+    sizes = [s for s in sizes_between(args.min_bytes, args.max_bytes) if s >= esize]
+    for size in sizes:
+        rows = []
+        for b in active:
+            reason = b.supports(args.dtype, args.op)
+            if reason:
+                skipped.setdefault(b.label, reason)
+                continue
+            rows.append(measure(b, ctl, size, args, world, rank))
+        results += rows
+        if out:
+            report.print_lines(report.format_rows(rows), out)
+            print(f"[nvrar-bench] {report.fmt_size(size)} done", file=sys.stderr, flush=True)
+    if out:
+        wrong = sum(r["wrong"] for r in results)
+        print(f"# total #wrong: {wrong}", file=out)
+        if args.json:
+            report.write_json(args.json, meta, results)
+            print(f"# wrote {args.json}", file=out)
+        if args.plot:
+            report.write_plot(args.plot, meta, results)
+            print(f"# wrote {args.plot}", file=out)
+        out.flush()
+    ctl.barrier()
+    comm.close()
+    ctl_comm.close()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 1 if any(r["wrong"] for r in results) else 0
+
+
+def _skip(name: str, reason: str) -> Backend:
+    b = Backend()
+    b.name = name
+    b.skip_reason = reason
+    return b
