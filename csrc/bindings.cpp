@@ -85,7 +85,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us") = 0.0,
-           py::arg("jitter_seed") = 0, py::arg("cma") = true, py::arg("cma_min_bytes") = 32 << 10,
+           py::arg("jitter_seed") = 0, py::arg("cma") = true, py::arg("cma_min_bytes") = 8 << 10,
            py::arg("cma_piece_bytes") = 256 << 10)
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))

@@ -19,7 +19,7 @@ from .errors import NvrarError, NvrarTimeoutError
 
 __all__ = ["StoreServer", "StoreClient"]
 
-_OP_SET, _OP_GET, _OP_ADD, _OP_DONE = b"S", b"G", b"A", b"D"
+_OP_HELLO, _OP_SET, _OP_GET, _OP_ADD, _OP_DONE = b"H", b"S", b"G", b"A", b"D"
 _OK, _MISSING = b"\x00", b"\x01"
 _MAX_FIELD = 1 << 24  # largest key or value accepted (bytes)
 
@@ -49,7 +49,8 @@ def _recv_field(sock: socket.socket) -> bytes:
 class StoreServer:
     """Serves the store until ``expected_clients`` have said done, or the deadline passes."""
 
-    def __init__(self, host: str, port: int, expected_clients: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, expected_clients: int, timeout: float, session: bytes = b"") -> None:
+        self._session = session
         self._data: Dict[bytes, bytes] = {}
         self._cond = threading.Condition()
         self._done = 0
@@ -97,7 +98,13 @@ class StoreServer:
             while True:
                 op = _recv_exact(conn, 1)
                 key = _recv_field(conn)
-                if op == _OP_SET:
+                if op == _OP_HELLO:
+                    # A client of another rendezvous (the previous one still closing on this port,
+                    # or the next one arriving early) is told so, and retries.
+                    conn.sendall(_OK if key == self._session else _MISSING)
+                    if key != self._session:
+                        return
+                elif op == _OP_SET:
                     value = _recv_field(conn)
                     with self._cond:
                         self._data[key] = value
@@ -148,7 +155,7 @@ class StoreServer:
 class StoreClient:
     """One rank's connection to the store; ``timeout`` bounds every operation."""
 
-    def __init__(self, host: str, port: int, timeout: float, rank: int) -> None:
+    def __init__(self, host: str, port: int, timeout: float, rank: int, session: bytes = b"") -> None:
         self._rank = rank
         self._timeout = timeout
         self._where = f"{host}:{port}"
@@ -157,9 +164,18 @@ class StoreClient:
         last: Optional[Exception] = None
         while True:
             try:
-                self._sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+                sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+                try:
+                    sock.sendall(_OP_HELLO)
+                    _send_field(sock, session)
+                    if _recv_exact(sock, 1) != _OK:
+                        raise ConnectionError("the store serves another rendezvous")
+                except (OSError, ConnectionError):
+                    sock.close()
+                    raise
+                self._sock = sock
                 break
-            except OSError as exc:  # the server may not be up yet
+            except (OSError, ConnectionError) as exc:  # the server may not be up yet
                 last = exc
                 if time.monotonic() + delay > deadline:
                     raise NvrarTimeoutError(

@@ -215,9 +215,10 @@ class StoreBootstrap(Bootstrap):
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             self._client: Any = _TorchStoreAdapter(host, port, timeout, rank)
         else:
+            session = self._prefix.encode()
             if rank == 0:
-                self._server = StoreServer(host, port, expected_clients=world_size, timeout=timeout)
-            self._client = StoreClient(host, port, timeout, rank)
+                self._server = StoreServer(host, port, expected_clients=world_size, timeout=timeout, session=session)
+            self._client = StoreClient(host, port, timeout, rank, session=session)
 
     def allgather(self, value: bytes) -> List[bytes]:
         self._round += 1

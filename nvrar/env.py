@@ -69,13 +69,8 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar(
             "NVRAR_CMA_MIN_BYTES",
             "",
-            "CPU executor: smallest result shard delivered by a cross-memory write (default: the "
-            "selector's value, 32K).",
-        ),
-        EnvVar(
-            "NVRAR_TUNING_FILE",
-            "",
-            "Selector table written by `nvrar tune` (JSON); default ~/.cache/nvrar/tuning.json if present.",
+            "CPU executor: smallest shard moved by cross-memory reads and writes (default: the "
+            "selector's value, 8K).",
         ),
     )
 }

@@ -49,10 +49,11 @@ def oneshot_max_bytes(device: str, world_size: int, ranks_per_node: int) -> int:
     return _CPU_ONESHOT_MAX_DEFAULT
 
 
-# Smallest result shard (bytes) that the CPU executor delivers into a peer's private output by a
-# cross-memory write (one system call, which pins the pages) instead of letting the peer copy it
-# out of the shared segment.
-_CPU_CMA_MIN = 32 << 10
+# Smallest shard (bytes) that the CPU executor moves by cross-memory reads and writes (a system
+# call each, which pins the pages) instead of staging it through the shared segment. Two-shot,
+# 2 ranks, median us at 8K/16K/32K messages: threshold 4K 3.62/4.11/5.19, 8K 3.14/4.20/5.27,
+# 32K 3.16/4.88/8.10 (NVRAR_CMA_MIN_BYTES=... nvrar-bench --algos two-shot --buffers ordinary).
+_CPU_CMA_MIN = 8 << 10
 
 
 def cma_min_bytes(device: str, ranks_per_node: int) -> int:

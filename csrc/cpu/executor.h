@@ -41,7 +41,7 @@ struct CpuConfig {
   double jitter_us = 0.0;                     // > 0: random delays up to this long (testing)
   uint64_t jitter_seed = 0;
   bool cma = true;                            // allow cross-memory writes into peers' private outputs
-  size_t cma_min_bytes = size_t{32} << 10;    // smallest shard (bytes) moved by cross-memory reads/writes
+  size_t cma_min_bytes = size_t{8} << 10;     // smallest shard (bytes) moved by cross-memory reads/writes
   size_t cma_piece_bytes = size_t{256} << 10; // cross-memory transfers go piece by piece, this large (bytes)
 };
 

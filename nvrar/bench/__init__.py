@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=["sum", "max", "min", "avg"], default="sum")
     p.add_argument("--iters", type=int, default=100, help="timed iterations per size and backend (default 100)")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations first (default 10)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="the iterations are split into this many rounds over the backends (default 4)")
     p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
                    help="comma list of nvrar, mpi, gloo (CPU peers), nccl, nvshmem (GPU peers)")
     p.add_argument("--algos", default="auto,one-shot,two-shot", help="nvrar variants to measure (default all)")
@@ -50,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how a bare start launches its ranks (default: mpirun if available)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of every wait, seconds (default 120)")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
+    p.add_argument("--launched-by", default=None, help=argparse.SUPPRESS)  # set by a bare start for its ranks
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
 
 
@@ -62,8 +65,8 @@ def build_parser(prog: str = "nvrar-bench") -> argparse.ArgumentParser:
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.min_bytes <= 0 or args.max_bytes < args.min_bytes:
         p.error(f"need 0 < --min-bytes <= --max-bytes (got {args.min_bytes}, {args.max_bytes})")
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--iters and --rounds must be >= 1 and --warmup >= 0")
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be >= 1")
     modes = [m.strip() for m in args.buffers.split(",") if m.strip()]
@@ -84,11 +87,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if mpi_launched():
         from .runner import run_rank
 
-        return run_rank(args, "mpirun/srun")
+        return run_rank(args, args.launched_by or "mpirun/srun")
     if os.environ.get("WORLD_SIZE") and os.environ.get("RANK"):
         from .runner import run_rank
 
-        return run_rank(args, os.environ.get("NVRAR_BENCH_LAUNCHER", "torchrun-style env"))
+        return run_rank(args, args.launched_by or "torchrun-style env")
     return spawn(args, argv)
 
 

@@ -136,7 +136,7 @@ class MPIBackend(_HostArrays):
         self._mpi = MPI
         self._comm = MPI.COMM_WORLD
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-        self.version = MPI.Get_library_version().splitlines()[0].strip()
+        self.version = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
 
     def supports(self, dtype: str, op: str) -> Optional[str]:
         if op not in self._ops:

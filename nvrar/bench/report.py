@@ -22,8 +22,8 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
         f"# world {meta['world_size']} ranks, {meta['ranks_per_node']} per node ({meta['num_nodes']} node"
         f"{'s' if meta['num_nodes'] != 1 else ''}), device {meta['device']}: {meta['hardware']}",
         f"# versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
-        f"# launcher {meta['launcher']}, bootstrap {meta['bootstrap']}; iters {meta['iters']}, warmup "
-        f"{meta['warmup']}, dtype {meta['dtype']}, op {meta['op']}; nvrar buffers: {meta['buffers']} "
+        f"# launcher {meta['launcher']}, bootstrap {meta['bootstrap']}; iters {meta['iters']} in {meta['rounds']} "
+        f"interleaved rounds, warmup {meta['warmup']}, dtype {meta['dtype']}, op {meta['op']}; nvrar buffers: {meta['buffers']} "
         f"(/sym rows: Communicator.empty(), zero-copy)",
         f"# memcpy bandwidth of this machine (1 core, 16 MiB copy): {meta['memcpy_gbps']:.2f} GB/s; "
         f"nvrar per-call overhead (1 rank, 8 B): {meta['call_overhead_us']:.2f} us",

@@ -163,49 +163,67 @@ def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str) -> np.nda
     return out
 
 
-def measure(b: Backend, ctl: Control, size: int, args: Any, world: int, rank: int) -> Dict[str, Any]:
-    esize = DTYPES[args.dtype][2]
-    count = size // esize
-    buf = b.alloc(count, args.dtype)
-    # Verification on exact data: # of elements that differ from the exact result, worst rank.
+def verify(b: Backend, buf: Any, ctl: Control, count: int, args: Any, world: int, rank: int) -> int:
+    """# of elements that differ from the exact result after one call on exact data, worst rank."""
     b.fill(buf, contribution(rank, count))
     b.call(buf, args.op)
     b.synchronize()
     wrong = int(np.count_nonzero(b.read(buf) != expected(world, count, args.op, args.dtype)))
-    wrong = int(ctl.max(np.array([wrong], np.int32))[0])
-    # Timing on zeros (no data-dependent speed: no denormals, no overflow to inf).
-    b.fill(buf, np.zeros(count))
-    for _ in range(args.warmup):
-        b.call(buf, args.op)
-    b.synchronize()
-    ctl.barrier()
-    t = ctl.max(time_calls(b, buf, args.op, args.iters, args.device))
-    del buf
-    median = float(np.median(t))
-    algbw = size / median / 1e3 if median > 0 else 0.0
-    return {
-        "backend": b.name,
-        "algorithm": b.algorithm,
-        "buffers": b.buffers,
-        "label": b.label,
-        "bytes": size,
-        "count": count,
-        "dtype": args.dtype,
-        "op": args.op,
-        "median_us": median,
-        "p99_us": float(np.percentile(t, 99)),
-        "min_us": float(np.min(t)),
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * 2 * (world - 1) / world if world > 1 else algbw,
-        "wrong": wrong,
-    }
+    return int(ctl.max(np.array([wrong], np.int32))[0])
+
+
+def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, world: int,
+                 rank: int) -> List[Dict[str, Any]]:
+    """Verify, then time every backend at one size. The iterations are split into rounds that
+    visit the backends in turn, so that a passing disturbance of the machine hits them alike."""
+    esize = DTYPES[args.dtype][2]
+    count = size // esize
+    bufs = []
+    for b in backends:
+        buf = b.alloc(count, args.dtype)
+        wrong = verify(b, buf, ctl, count, args, world, rank)
+        b.fill(buf, np.zeros(count))  # timing on zeros: no denormals, no overflow to inf
+        bufs.append((b, buf, wrong, []))
+    rounds = max(1, min(args.rounds, args.iters))
+    for r in range(rounds):
+        n = args.iters // rounds + (1 if r < args.iters % rounds else 0)
+        for b, buf, _, times in bufs:
+            for _ in range(args.warmup if r == 0 else min(args.warmup, 2)):
+                b.call(buf, args.op)
+            b.synchronize()
+            ctl.barrier()
+            times.append(ctl.max(time_calls(b, buf, args.op, n, args.device)))
+    rows = []
+    for b, buf, wrong, times in bufs:
+        t = np.concatenate(times)
+        median = float(np.median(t))
+        algbw = size / median / 1e3 if median > 0 else 0.0
+        rows.append({
+            "backend": b.name,
+            "algorithm": b.algorithm,
+            "buffers": b.buffers,
+            "label": b.label,
+            "bytes": size,
+            "count": count,
+            "dtype": args.dtype,
+            "op": args.op,
+            "median_us": median,
+            "p99_us": float(np.percentile(t, 99)),
+            "min_us": float(np.min(t)),
+            "algbw_gbps": algbw,
+            "busbw_gbps": algbw * 2 * (world - 1) / world if world > 1 else algbw,
+            "wrong": wrong,
+        })
+    del bufs
+    return rows
 
 
 def run_rank(args: Any, launcher: str) -> int:
     names = [s.strip() for s in args.backends.split(",") if s.strip()]
     want_torch = ("gloo" in names and args.device == "cpu") or ("nccl" in names and args.device == "cuda")
     torch_skip = setup_torch_dist(args.device, want_torch)
-    heap = max(32 << 20, 2 * args.max_bytes + (1 << 20))
+    n_sym = ("symmetric" in args.buffers) * len([a for a in args.algos.split(",") if a.strip()])
+    heap = max(32 << 20, n_sym * (args.max_bytes + 4096) + (1 << 20))  # every symmetric buffer of one size
     ctl_comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=1 << 16)
     comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap)
     ctl = Control(ctl_comm)
@@ -242,12 +260,13 @@ def run_rank(args: Any, launcher: str) -> int:
         "op": args.op,
         "iters": args.iters,
         "warmup": args.warmup,
+        "rounds": args.rounds,
         "launcher": launcher,
         "bootstrap": comm.bootstrap,
         "buffers": args.buffers,
         "host": socket.gethostname(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["nvrar-bench"] + list(args.argv)),
+        "command": " ".join(["nvrar-bench"] + [a for a in args.argv if a != "--launched-by" and a != args.launched_by]),
         "skipped": skipped,
     }
     ctl.barrier()
@@ -261,14 +280,15 @@ def run_rank(args: Any, launcher: str) -> int:
     results: List[Dict[str, Any]] = []
     esize = DTYPES[args.dtype][2]
     sizes = [s for s in sizes_between(args.min_bytes, args.max_bytes) if s >= esize]
+    runnable = []
+    for b in active:
+        reason = b.supports(args.dtype, args.op)
+        if reason:
+            skipped.setdefault(b.label, reason)
+        else:
+            runnable.append(b)
     for size in sizes:
-        rows = []
-        for b in active:
-            reason = b.supports(args.dtype, args.op)
-            if reason:
-                skipped.setdefault(b.label, reason)
-                continue
-            rows.append(measure(b, ctl, size, args, world, rank))
+        rows = measure_size(runnable, ctl, size, args, world, rank)
         results += rows
         if out:
             report.print_lines(report.format_rows(rows), out)

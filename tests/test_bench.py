@@ -1,0 +1,96 @@
+"""nvrar-bench end to end: started bare (it launches its ranks), under mpirun, with emulated
+nodes; the table shows the peers side by side, the JSON has the contract keys, the plot exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+RESULT_KEYS = {"backend", "algorithm", "bytes", "count", "dtype", "op", "median_us", "p99_us", "min_us",
+               "algbw_gbps", "busbw_gbps", "wrong"}
+QUICK = ["--min-bytes", "8K", "--max-bytes", "32K", "--iters", "5", "--warmup", "1"]
+
+
+def bench_cmd():
+    exe = shutil.which("nvrar-bench") or os.path.join(os.path.dirname(sys.executable), "nvrar-bench")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "nvrar.bench"]
+
+
+def clean_env(**extra):
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(k, None)
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"})
+    env.update(extra)
+    return env
+
+
+def run(cmd, tmp_path, timeout=300):
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=tmp_path)
+    assert res.returncode == 0, f"{cmd}\nstdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    return res.stdout
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    assert set(data) == {"meta", "results"}
+    for row in data["results"]:
+        assert RESULT_KEYS <= set(row), set(row)
+        assert row["wrong"] == 0, row
+        assert row["min_us"] <= row["median_us"] <= row["p99_us"]
+    return data
+
+
+def test_bare_start_two_ranks_with_json_and_plot(tmp_path):
+    out = run(bench_cmd() + QUICK + ["--json", "r.json", "--plot", "r.png"], tmp_path)
+    assert "# world 2 ranks" in out and "busbw" in out
+    data = load(tmp_path / "r.json")
+    backends = {r["backend"] for r in data["results"]}
+    assert "nvrar" in backends
+    assert {"mpi", "gloo"} <= backends, "the CPU peers must run in the same run"
+    sizes = sorted({r["bytes"] for r in data["results"]})
+    assert sizes == [8192, 16384, 32768]
+    for size in sizes:  # peers side by side at every size
+        assert {r["backend"] for r in data["results"] if r["bytes"] == size} >= {"nvrar", "mpi", "gloo"}
+    assert data["meta"]["skipped"]["nccl"] and data["meta"]["skipped"]["nvshmem"]
+    png = (tmp_path / "r.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+    print(out)
+
+
+def test_local_launcher_with_emulated_nodes(tmp_path):
+    out = run(bench_cmd() + QUICK + ["--launcher", "local", "--ranks", "3", "--ranks-per-node", "1",
+                                     "--backends", "nvrar,mpi", "--json", "r.json"], tmp_path)
+    data = load(tmp_path / "r.json")
+    assert data["meta"]["world_size"] == 3 and data["meta"]["num_nodes"] == 3
+    assert "mpi" in data["meta"]["skipped"]  # not launched by mpirun: reported, not an error
+    assert "skipped: mpi" in out
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpirun")),
+                    reason="mpirun not installed")
+def test_under_mpirun_four_ranks_two_per_node(tmp_path):
+    mpirun = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    out = run([mpirun, "-n", "4", "--oversubscribe"] + bench_cmd() + QUICK +
+              ["--ranks-per-node", "2", "--dtype", "bfloat16", "--json", "r.json"], tmp_path)
+    data = load(tmp_path / "r.json")
+    assert data["meta"]["world_size"] == 4 and data["meta"]["num_nodes"] == 2
+    assert data["meta"]["launcher"] == "mpirun/srun"  # started by the user's mpirun, not by a bare start
+    assert {r["dtype"] for r in data["results"]} == {"bfloat16"}
+    assert "mpi/MPI_Allreduce" in data["meta"]["skipped"]  # MPI has no bfloat16
+    assert "gloo" in {r["backend"] for r in data["results"]}
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    res = subprocess.run(bench_cmd() + ["--min-bytes", "lots"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(), cwd=tmp_path)
+    assert res.returncode == 2 and "not a size" in res.stderr
+    res = subprocess.run(bench_cmd() + ["--buffers", "weird"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(), cwd=tmp_path)
+    assert res.returncode == 2 and "--buffers" in res.stderr

@@ -1,0 +1,47 @@
+"""The documentation matches the code: the README's Quick start has exactly two command blocks,
+documents every environment variable nvrar reads, and .ci/run runs the README's test command."""
+
+import os
+import re
+
+from nvrar import env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_quick_start_has_two_command_blocks():
+    quick = readme().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:bash)?\n(.*?)```", quick, re.S)
+    assert len(blocks) == 2
+    assert "nvrar-bench" in blocks[0] and "pip install" in blocks[0]
+    assert "pytest" in blocks[1] and "pip install" in blocks[1]
+
+
+def test_every_environment_variable_is_documented():
+    text = readme()
+    for name, var in env.VARIABLES.items():
+        assert f"`{name}`" in text, f"{name} is read by nvrar but not in the README"
+    documented = set(re.findall(r"`(NVRAR_[A-Z_]+)`", text))
+    assert documented <= set(env.VARIABLES), f"README documents unknown variables {documented - set(env.VARIABLES)}"
+
+
+def test_every_variable_read_in_the_code_is_registered():
+    used = set()
+    for base, _, files in os.walk(os.path.join(ROOT, "nvrar")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(base, name)) as f:
+                    used |= set(re.findall(r"(?:environ\.get\(|environ\[|getenv\(|get_[a-z]+\()\s*\"(NVRAR_[A-Z_]+)\"",
+                                           f.read()))
+    assert used <= set(env.VARIABLES), f"unregistered variables: {used - set(env.VARIABLES)}"
+
+
+def test_ci_runs_the_readme_test_command():
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    assert "## Quick start" in ci and "blocks[1]" in ci
