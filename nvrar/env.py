@@ -58,6 +58,12 @@ VARIABLES: Dict[str, EnvVar] = {
             "Testing: inject random delays of up to this many microseconds before puts and after "
             "signals of the CPU executor, to shake out races in the epoch protocol.",
         ),
+        EnvVar(
+            "NVRAR_TUNING_FILE",
+            "~/.cache/nvrar/tuning.json",
+            "Tuning tables written by `nvrar tune`, read when nvrar.torch sets up a group; a table is "
+            "used only for the device, world size and ranks per node it was measured on.",
+        ),
         EnvVar("NVRAR_JITTER_SEED", "0", "Testing: seed of the jitter generator (mixed with the rank)."),
         EnvVar(
             "NVRAR_CMA",

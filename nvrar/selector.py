@@ -12,7 +12,8 @@ from typing import Optional
 
 from . import env
 
-__all__ = ["VARIANTS", "variant_code", "oneshot_max_bytes", "cma_min_bytes", "cma_piece_bytes"]
+__all__ = ["VARIANTS", "NATIVE", "Table", "select", "default_choice", "variant_code", "oneshot_max_bytes",
+           "cma_min_bytes", "cma_piece_bytes"]
 
 # Codes shared with csrc/cpu/executor.h (Variant).
 VARIANTS = {"auto": 0, "two-shot": 1, "one-shot": 2}
@@ -68,3 +69,89 @@ _CPU_CMA_PIECE = 128 << 10
 
 def cma_piece_bytes(device: str, ranks_per_node: int) -> int:
     return _CPU_CMA_PIECE
+
+
+# -- nvrar or the group's native backend ------------------------------------------------------
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "int32")
+SUPPORTED_OPS = ("sum", "max", "min", "avg")
+NATIVE = "native"
+
+# Without a tuning table (nvrar tune): on the CPU nvrar beats gloo at every size measured (8 KB -
+# 16 MB, README "Results"), so it serves every size. On GPUs the published NVRAR result covers
+# multi-node 128 KB - 2 MB; on one node NCCL's NVLink algorithms are hard to beat, and above a few
+# MB NCCL's ring is bandwidth-optimal: nvrar takes multi-node messages up to 2 MB, NCCL the rest,
+# until `nvrar tune` measures the crossovers of the actual machine.
+_GPU_DEFAULT_MAX_BYTES = 2 << 20
+
+
+def default_choice(device: str, world_size: int, ranks_per_node: int, nbytes: int) -> str:
+    """The variant ("auto" lets the executor pick one-shot/two-shot) or "native", without a table."""
+    if device == "cpu":
+        return "auto"
+    if world_size // max(1, ranks_per_node) >= 2 and nbytes <= _GPU_DEFAULT_MAX_BYTES:
+        return "auto"
+    return NATIVE
+
+
+def select(device: str, world_size: int, ranks_per_node: int, dtype: str, op: str, nbytes: int,
+           table: Optional["Table"] = None) -> str:
+    """The one decision of who serves an all-reduce: a variant name ("auto", "one-shot",
+    "two-shot") or "native" (the process group's own backend: gloo on CPU, NCCL on GPU).
+
+    Every argument is identical on every rank of a valid collective call (the table is checked
+    to be identical when a communicator is created), so every rank decides alike.
+    """
+    if dtype not in SUPPORTED_DTYPES or op not in SUPPORTED_OPS:
+        return NATIVE
+    if table is not None:
+        return table.choice(nbytes)
+    return default_choice(device, world_size, ranks_per_node, nbytes)
+
+
+class Table:
+    """A tuned size table for one (device, world size, ranks per node): ascending buckets, each
+    the largest message it covers (None: no limit) and its choice."""
+
+    def __init__(self, device: str, world_size: int, ranks_per_node: int, buckets: list, source: str = "") -> None:
+        self.device = device
+        self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.buckets = [(None if b["max_bytes"] is None else int(b["max_bytes"]), str(b["choice"])) for b in buckets]
+        self.source = source
+        if not self.buckets:
+            raise ValueError(f"tuning table {source}: no buckets")
+        for limit, choice in self.buckets:
+            if choice != NATIVE and choice not in VARIANTS:
+                raise ValueError(f"tuning table {source}: unknown choice {choice!r}")
+        limits = [l for l, _ in self.buckets if l is not None]
+        if limits != sorted(limits) or any(l is None for l, _ in self.buckets[:-1]):
+            raise ValueError(f"tuning table {source}: buckets must ascend, and only the last may be unbounded")
+
+    def choice(self, nbytes: int) -> str:
+        for limit, choice in self.buckets:
+            if limit is None or nbytes <= limit:
+                return choice
+        return NATIVE  # above the largest measured size
+
+    def window(self) -> tuple:
+        """(smallest, largest) message size served by nvrar; None where unbounded or empty."""
+        lo = hi = None
+        prev = 0
+        for limit, choice in self.buckets:
+            if choice != NATIVE:
+                lo = prev if lo is None else lo
+                hi = limit
+            prev = (limit or 0) + 1
+        return lo, hi
+
+    def fingerprint(self) -> str:
+        import hashlib
+        import json
+
+        data = json.dumps([self.device, self.world_size, self.ranks_per_node, self.buckets])
+        return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
+                "buckets": [{"max_bytes": l, "choice": c} for l, c in self.buckets]}

@@ -35,7 +35,7 @@ class RankResult:
 
 def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dict[str, str]] = None,
            timeout: float = 240.0, per_rank_args: Optional[List[dict]] = None,
-           start: Optional[List[int]] = None) -> List[RankResult]:
+           start: Optional[List[int]] = None, per_rank_env: Optional[List[Dict[str, str]]] = None) -> List[RankResult]:
     """Run `_worker.py task` on `world` ranks; returns one RankResult per rank (in rank order).
 
     Each worker writes its JSON report to a file; a worker still running at `timeout` is killed
@@ -53,8 +53,12 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
                   "TORCHELASTIC_USE_AGENT_STORE"):
             e.pop(k, None)
         e.update({"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                  "PYTHONUNBUFFERED": "1"})
+                  "PYTHONUNBUFFERED": "1",
+                  # hermetic: a tuning table in the user's cache must not change what the tests see
+                  "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")})
         e.update(env or {})
+        if per_rank_env is not None:
+            e.update(per_rank_env[r])
         report = os.path.join(tmp, f"rank{r}.json")
         cmd = [sys.executable, WORKER, task, json.dumps(a), report]
         procs.append((r, report, subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

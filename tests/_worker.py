@@ -139,6 +139,10 @@ TASKS = {"matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "bad
 
 def main() -> int:
     task, args, report_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    if task not in TASKS:
+        import _torch_tasks
+
+        TASKS.update(_torch_tasks.TASKS)
     try:
         report = TASKS[task](args)
         code = 0

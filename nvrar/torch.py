@@ -1,0 +1,262 @@
+"""nvrar as a drop-in for torch.distributed's all-reduce in tensor-parallel layers.
+
+    import nvrar.torch as nt
+    nt.all_reduce(tensor)                       # torch.distributed.all_reduce's signature
+    with nt.patch():                            # unchanged model code: dist.all_reduce -> nvrar
+        model(x)
+    torch.ops.nvrar.all_reduce_(t, "sum", "")   # custom ops: torch.compile(fullgraph=True), CUDA graphs
+    y = torch.ops.nvrar.all_reduce(t, "sum", "")
+
+Every call goes through one decision, nvrar.selector.select(): a variant of nvrar, or the
+group's native backend (gloo on CPU, NCCL on GPU) for what nvrar does not serve better (sizes
+outside the tuned window, unsupported dtypes or ops). The decision depends only on what is
+identical on every rank of a valid call, and the tuning table is checked to be identical on every
+rank when a group is first used, so every rank always takes the same path.
+
+Why patch() rather than a registered torch.distributed backend: patch() keeps the group's own
+backend for everything (every other collective, and the sizes nvrar does not win), needs no new
+backend string in init_process_group, is scoped (a context manager or decorator, undone on exit),
+and does not depend on the Python ProcessGroup-backend extension points, which change between
+torch releases.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import selector
+from .communicator import Communicator
+from .errors import NvrarError
+
+__all__ = ["all_reduce", "patch", "communicator", "decide", "stats", "reset", "Work"]
+
+_OP_NAMES = {"SUM": "sum", "MAX": "max", "MIN": "min", "AVG": "avg"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32"}
+
+# The original torch.distributed.all_reduce: the native path, also while patch() is active.
+_native_all_reduce = dist.all_reduce
+
+
+class Work:
+    """The handle returned with ``async_op=True``. On the CPU the all-reduce has completed when
+    the call returns; ``wait()`` is still required by the torch.distributed contract."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> list:
+        return [self._tensor]
+
+    def exception(self) -> None:
+        return None
+
+
+class _Group:
+    """What nvrar keeps per (process group, device kind): the communicator and the policy."""
+
+    def __init__(self, group: Any, device: str) -> None:
+        self.group = group
+        self.device = device
+        if device != "cpu":
+            raise NvrarError(f"nvrar.torch: tensors on {device} need the GPU executor, which this build does not have")
+        self.comm = Communicator(group=group)
+        self.world = self.comm.world_size
+        self.G = self.comm.ranks_per_node
+        self.table = self._agreed_table()
+        self.counts = {"nvrar": 0, "native": 0}
+
+    def _agreed_table(self) -> Optional[selector.Table]:
+        """The tuning table, if every rank loaded the same one; else none on every rank."""
+        from .tuning import load_table
+
+        try:
+            table = load_table(self.device, self.world, self.G)
+            mine = table.fingerprint() if table is not None else "none"
+        except (OSError, ValueError) as exc:
+            table, mine = None, f"error: {exc}"
+        prints = [None] * self.world
+        dist.all_gather_object(prints, mine, group=self.group)
+        if len(set(prints)) > 1:
+            warnings.warn(f"nvrar.torch: ranks loaded different tuning tables ({sorted(set(prints))}); "
+                          "every rank uses the built-in policy instead. Point NVRAR_TUNING_FILE at one file.",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        if mine.startswith("error"):
+            warnings.warn(f"nvrar.torch: tuning table unusable ({mine}); using the built-in policy",
+                          RuntimeWarning, stacklevel=3)
+        return table
+
+    def decide(self, dtype: str, op: str, nbytes: int) -> str:
+        return selector.select(self.device, self.world, self.G, dtype, op, nbytes, self.table)
+
+
+_groups: Dict[Tuple[Any, str], _Group] = {}
+_lock = threading.Lock()
+
+
+def _resolve(group: Any) -> Any:
+    if group is None or group is dist.GroupMember.WORLD:
+        if not dist.is_initialized():
+            raise NvrarError("nvrar.torch: torch.distributed is not initialized (call init_process_group first)")
+        return dist.group.WORLD
+    return group
+
+
+def _state(group: Any, device: str) -> _Group:
+    key = (group, device)
+    st = _groups.get(key)
+    if st is None:
+        with _lock:
+            st = _groups.get(key)
+            if st is None:
+                st = _groups[key] = _Group(group, device)
+    return st
+
+
+def communicator(group: Any = None, device: str = "cpu") -> Communicator:
+    """The nvrar Communicator behind ``group`` (created on first use; collective)."""
+    return _state(_resolve(group), device).comm
+
+
+def _op_name(op: Any) -> Optional[str]:
+    if isinstance(op, str):
+        return op.lower() if op.lower() in selector.SUPPORTED_OPS else None
+    name = getattr(op, "name", None)
+    if name is None:
+        for member, short in _OP_NAMES.items():
+            if op == getattr(dist.ReduceOp, member):
+                return short
+        return None
+    return _OP_NAMES.get(name)
+
+
+def decide(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> str:
+    """What ``all_reduce(tensor, op, group)`` would run: an nvrar variant or "native"."""
+    st = _state(_resolve(group), tensor.device.type)
+    dtype = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+    return st.decide(dtype, _op_name(op) or "unsupported", tensor.numel() * tensor.element_size())
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
+    """torch.distributed.all_reduce, served by nvrar where the policy says so.
+
+    In place; returns None, or a work handle with ``wait()`` when ``async_op=True``. Under
+    torch.compile this records the custom op ``torch.ops.nvrar.all_reduce_``.
+    """
+    if torch.compiler.is_compiling():
+        torch.ops.nvrar.all_reduce_(tensor, _op_name(op) or str(op), _group_name(group))
+        return None
+    group = _resolve(group)
+    st = _state(group, tensor.device.type)
+    name = _op_name(op)
+    dtype = _DTYPE_NAMES.get(tensor.dtype)
+    choice = st.decide(dtype or str(tensor.dtype), name or "unsupported", tensor.numel() * tensor.element_size())
+    if choice == selector.NATIVE:
+        st.counts["native"] += 1
+        return _native_all_reduce(tensor, op, group=group, async_op=async_op)
+    st.counts["nvrar"] += 1
+    algo = None if choice == "auto" else choice
+    if tensor.is_contiguous():
+        st.comm.all_reduce(tensor, name, algo=algo)
+    else:  # same decision on every rank; only the memory layout differs
+        tmp = tensor.contiguous()
+        st.comm.all_reduce(tmp, name, algo=algo)
+        tensor.copy_(tmp)
+    return Work(tensor) if async_op else None
+
+
+def stats(group: Any = None, device: str = "cpu") -> Dict[str, int]:
+    """Calls served by nvrar and by the native backend so far on ``group``."""
+    st = _groups.get((_resolve(group), device))
+    return dict(st.counts) if st is not None else {"nvrar": 0, "native": 0}
+
+
+def reset() -> None:
+    """Close every communicator nvrar.torch created (before destroy_process_group)."""
+    with _lock:
+        for st in _groups.values():
+            st.comm.close()
+        _groups.clear()
+
+
+# -- custom ops: torch.compile and CUDA graphs ---------------------------------------------------
+
+def _group_name(group: Any) -> str:
+    return "" if group is None or group is dist.GroupMember.WORLD else group.group_name
+
+
+def _group_from_name(name: str) -> Any:
+    if name == "":
+        return None
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+@torch.library.custom_op("nvrar::all_reduce_", mutates_args=("tensor",))
+def _all_reduce_inplace(tensor: torch.Tensor, op: str, group_name: str) -> None:
+    all_reduce(tensor, op, _group_from_name(group_name))
+
+
+@_all_reduce_inplace.register_fake
+def _(tensor: torch.Tensor, op: str, group_name: str) -> None:
+    return None
+
+
+@torch.library.custom_op("nvrar::all_reduce", mutates_args=())
+def _all_reduce_functional(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    all_reduce(out, op, _group_from_name(group_name))
+    return out
+
+
+@_all_reduce_functional.register_fake
+def _(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+# -- patch(): unchanged model code ---------------------------------------------------------------
+
+class patch:
+    """Route ``torch.distributed.all_reduce`` calls to nvrar while active (context manager or
+    decorator). Calls nvrar does not serve (per the policy) and every other collective go to the
+    group's own backend, unchanged. Nesting is allowed."""
+
+    _depth = 0
+    _lock = threading.Lock()
+
+    def __enter__(self) -> "patch":
+        with patch._lock:
+            if patch._depth == 0:
+                dist.all_reduce = all_reduce
+                dist.distributed_c10d.all_reduce = all_reduce
+            patch._depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with patch._lock:
+            patch._depth -= 1
+            if patch._depth == 0:
+                dist.all_reduce = _native_all_reduce
+                dist.distributed_c10d.all_reduce = _native_all_reduce
+
+    def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with patch():
+                return fn(*args, **kwargs)
+
+        return wrapped
