@@ -9,30 +9,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "../protocol/phase.h"
+
 namespace nvrar {
-
-// Where in the protocol a failure happened. Values are stable: they travel between ranks in
-// abort records and appear in error messages.
-enum class Phase : uint32_t {
-  kSetup = 0,
-  kStageIn = 1,
-  kReduceScatter = 2,
-  kInterNode = 3,
-  kAllGather = 4,
-  kOneShot = 5,
-};
-
-inline const char* phase_name(Phase p) {
-  switch (p) {
-    case Phase::kSetup: return "setup";
-    case Phase::kStageIn: return "stage-in";
-    case Phase::kReduceScatter: return "reduce-scatter";
-    case Phase::kInterNode: return "inter-node";
-    case Phase::kAllGather: return "all-gather";
-    case Phase::kOneShot: return "one-shot-reduce";
-  }
-  return "unknown";
-}
 
 // Base of every error the core raises on purpose. `what()` is the full, human message.
 class Error : public std::runtime_error {

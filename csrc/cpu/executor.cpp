@@ -1,5 +1,7 @@
 #include "executor.h"
 
+#include "../protocol/round.h"
+
 #include <sched.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -139,19 +141,25 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   if (sched_getaffinity(0, sizeof(set), &set) == 0) ncpu = CPU_COUNT(&set);
   // More ranks than cores: yield almost at once so that the rank we wait for can run.
   spin_iters_ = cfg_.world > ncpu ? 16 : 4096;
-  srcs_.resize(static_cast<size_t>(cfg_.ranks_per_node));
-  dsts_.resize(static_cast<size_t>(cfg_.ranks_per_node) + 1);
-  piece_dsts_.resize(dsts_.size());
-  piece_srcs_.resize(srcs_.size());
-  src_remote_.resize(srcs_.size());
-  peer_out_.resize(static_cast<size_t>(cfg_.ranks_per_node));
+  const size_t G = static_cast<size_t>(cfg_.ranks_per_node);
+  srcs_.resize(G);
+  piece_srcs_.resize(G);
+  dsts_.resize(G + 1);
+  piece_dsts_.resize(G + 1);
+  src_remote_.resize(G);
+  peer_out_.resize(G);
   peer_pid_.resize(static_cast<size_t>(cfg_.world));
+  ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
+                  src_remote_.data(), nullptr};
+  round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes};
 }
 
 void CpuExecutor::enable_cma(bool on) {
   cma_ = on && cfg_.cma;
-  // Room for the shards of all other local ranks (pages are taken on first touch).
+  // Room for one piece of every other local rank's shard (pages are taken on first touch).
   if (cma_) cma_scratch_.resize(static_cast<size_t>(cfg_.ranks_per_node - 1) * (cfg_.cma_piece_bytes + 64));
+  round_cfg_.cma = cma_;
+  ws_.scratch = cma_scratch_.data();
 }
 
 CpuExecutor::~CpuExecutor() { close(); }
@@ -225,7 +233,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   h->call_variant = static_cast<int32_t>(v);
 
   size_t chunk_bytes = cfg_.max_bytes;
-  if (v == Variant::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.zone_bytes / 64 * 64);
+  if (v == Variant::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.oneshot_chunk_bytes());
   const size_t chunk = chunk_bytes / es;
 
   // Zero-copy: an input that lives in my pool is read by the peers where it is; an output in my
@@ -242,226 +250,60 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   }
 }
 
+
+// The CPU side of the Transport concept of protocol/round.h: a group of one, shared-memory
+// loads and stores, process_vm_readv/writev for private buffers. Failures throw.
+struct CpuTransport {
+  CpuExecutor* ex;
+  ReduceFn fn;
+  uint64_t epoch;
+
+  char* my() const { return ex->heap_.mine(); }
+  char* base(int rank) const { return ex->heap_.base(rank); }
+  bool leader() const { return true; }
+  void sync() const {}
+  void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
+    ex->signal(rank, cell, word, aux0, aux1);
+  }
+  bool wait(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, uint64_t* aux0, uint64_t* aux1) {
+    const auto aux = ex->wait(cell, e, sig, CpuExecutor::Site{phase, step, peer});
+    *aux0 = aux.first;
+    *aux1 = aux.second;
+    return true;
+  }
+  bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
+    std::memcpy(base(rank) + dst_off, src, bytes);
+    ex->signal(rank, cell, word, 0, 0);
+    return true;
+  }
+  void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) const {
+    fn(reinterpret_cast<void* const*>(dst), nd, reinterpret_cast<const void* const*>(src), ns, n, sc);
+  }
+  void copy(char* dst, const char* src, size_t bytes) const {
+    if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+  }
+  bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
+    ex->cma_read(rank, dst, addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
+    return true;
+  }
+  bool remote_write(int rank, const char* src, uint64_t addr, size_t bytes, Phase phase) {
+    ex->jitter();
+    ex->cma_write(rank, src, addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
+    return true;
+  }
+  void expose(uint64_t e) { ex->exposed_epoch_ = e; }
+  void jitter() { ex->jitter(); }
+};
+
 void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Variant v,
                         uint32_t sig, ReduceFn fn, Scale sc) {
   const uint64_t e = ++epoch_;
+  CpuTransport tp{this, fn, e};
+  Slice s{in, out, n, es, 0, 0, in_pool, out_pool};
   if (v == Variant::kOneShot)
-    round_one_shot(in, out, n, es, e, sig, fn, sc);
+    one_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
   else
-    round_two_shot(in, out, n, es, in_pool, out_pool, e, sig, fn, sc);
-}
-
-// Two-shot round; see NOTE [epoch protocol] in protocol/plan.h.
-void CpuExecutor::round_two_shot(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool,
-                                 uint64_t e, uint32_t sig, ReduceFn fn, Scale sc) {
-  const int p = static_cast<int>(e & 1);
-  const uint64_t word = flag_word(e, sig);
-  const int G = where_.G;
-  const int me = where_.local;
-  char* my = heap_.mine();
-  const Range mine = shard_range(n, static_cast<int>(es), G, me);
-  const size_t mine_off = mine.begin * es;
-  const size_t mine_bytes = mine.size() * es;
-  const Scale none = make_scale(RedOp::kSum, 1);
-
-  // Stage-in. Local peer h reads only shard h of my input; shard `me` is read by me alone, so it
-  // stays where it is. A zero-copy input is read in place; with cross-memory access enabled and a
-  // shard worth a system call, the peers read my private input directly (one copy instead of two).
-  const bool use_cma = cma_ && n * es / static_cast<size_t>(G) >= cfg_.cma_min_bytes;
-  uint64_t in_ref;
-  if (in_pool) {
-    in_ref = make_ref(kRefShm, static_cast<uint64_t>(in - my));
-  } else if (use_cma) {
-    in_ref = make_ref(kRefCma, reinterpret_cast<uint64_t>(in));
-  } else {
-    const size_t staging = layout_.staging(p);
-    in_ref = make_ref(kRefShm, staging);
-    if (G > 1) {
-      std::memcpy(my + staging, in, mine_off);
-      std::memcpy(my + staging + mine.end * es, in + mine.end * es, (n - mine.end) * es);
-    }
-  }
-  // How my peers deliver their result shards to me: straight into my output when they can reach
-  // it (it is in my pool, or cross-memory writes are enabled and worth their system call).
-  uint64_t out_ref = make_ref(kRefPull, 0);
-  if (out_pool)
-    out_ref = make_ref(kRefShm, static_cast<uint64_t>(out - my));
-  else if (use_cma)
-    out_ref = make_ref(kRefCma, reinterpret_cast<uint64_t>(out));
-  if (ref_kind(in_ref) == kRefCma || ref_kind(out_ref) == kRefCma) exposed_epoch_ = e;
-  if (G > 1) jitter();
-  for (int h = 0; h < G; ++h)
-    if (h != me) signal(where_.rank_of(where_.node, h), layout_.ready_cell(p, me), word, in_ref, out_ref);
-
-  // Intra-node reduce-scatter of shard `me`, sources in local-rank order.
-  bool any_pull = false;
-  bool any_remote = false;
-  for (int h = 0; h < G; ++h) {
-    const size_t hs = static_cast<size_t>(h);
-    src_remote_[hs] = 0;
-    if (h == me) {
-      srcs_[hs] = in + mine_off;
-      continue;
-    }
-    const int peer = where_.rank_of(where_.node, h);
-    const auto aux = wait(layout_.ready_cell(p, h), e, sig, Site{Phase::kReduceScatter, 0, peer});
-    if (ref_kind(aux.first) == kRefCma) {
-      src_remote_[hs] = ref_value(aux.first) + mine_off;  // read from h's private memory, below
-      any_remote = true;
-    } else {
-      srcs_[hs] = heap_.base(peer) + ref_value(aux.first) + mine_off;
-    }
-    peer_out_[hs] = aux.second;
-    any_pull = any_pull || ref_kind(aux.second) == kRefPull;
-  }
-  const size_t res = layout_.result(p);
-  // Destinations of the reduced shard. One node: my output, the outputs of the peers that take
-  // pushes into their pool, and my result slot for the peers that pull. Several nodes: the result
-  // slot, where the inter-node phase starts.
-  int nd = 0;
-  bool any_cma_push = false;
-  if (where_.N == 1) {
-    dsts_[nd++] = out + mine_off;
-    for (int h = 0; h < G; ++h) {
-      const uint64_t ref = peer_out_[static_cast<size_t>(h)];
-      if (h == me) continue;
-      if (ref_kind(ref) == kRefShm) dsts_[nd++] = heap_.base(where_.rank_of(where_.node, h)) + ref_value(ref) + mine_off;
-      any_cma_push = any_cma_push || ref_kind(ref) == kRefCma;
-    }
-    if (any_pull) dsts_[nd++] = my + res;
-  } else {
-    dsts_[nd++] = my + res;
-  }
-  // Piece by piece when cross-memory transfers are involved, so that each piece is fetched,
-  // reduced and pushed while it is in cache; else in one go.
-  const size_t piece = (any_remote || any_cma_push) ? cfg_.cma_piece_bytes : mine_bytes;
-  if (nd > 1 || any_cma_push) jitter();
-  for (size_t off = 0; off < mine_bytes; off += piece) {
-    const size_t len = std::min(piece, mine_bytes - off);
-    char* scratch = cma_scratch_.data();
-    for (int h = 0; h < G; ++h) {
-      const size_t hs = static_cast<size_t>(h);
-      if (src_remote_[hs] != 0) {
-        const int peer = where_.rank_of(where_.node, h);
-        cma_read(peer, scratch, src_remote_[hs] + off, len, Site{Phase::kReduceScatter, 0, peer}, e);
-        piece_srcs_[hs] = scratch;
-        scratch += align_up(len, 64);
-      } else {
-        piece_srcs_[hs] = srcs_[hs] + off;
-      }
-    }
-    for (int d = 0; d < nd; ++d) piece_dsts_[static_cast<size_t>(d)] = dsts_[static_cast<size_t>(d)] + off;
-    fn(reinterpret_cast<void* const*>(piece_dsts_.data()), nd, reinterpret_cast<const void* const*>(piece_srcs_.data()),
-       G, len / es, where_.N == 1 ? sc : none);
-    if (!any_cma_push) continue;
-    for (int h = 0; h < G; ++h) {
-      const uint64_t ref = peer_out_[static_cast<size_t>(h)];
-      if (h == me || ref_kind(ref) != kRefCma) continue;
-      const int peer = where_.rank_of(where_.node, h);
-      cma_write(peer, out + mine_off + off, ref_value(ref) + mine_off + off, len, Site{Phase::kAllGather, 0, peer}, e);
-    }
-  }
-  size_t final_off = res;
-  if (where_.N > 1) {
-    // Inter-node recursive doubling of shard `me`, then deliver the final shard.
-    final_off = inter_node(mine.size(), es, e, sig, fn, sc);
-    const char* fin = my + final_off;
-    std::memcpy(out + mine_off, fin, mine_bytes);
-    for (int h = 0; h < G; ++h) {
-      const uint64_t ref = peer_out_[static_cast<size_t>(h)];
-      if (h == me || ref_kind(ref) == kRefPull) continue;
-      const int peer = where_.rank_of(where_.node, h);
-      jitter();
-      if (ref_kind(ref) == kRefShm)
-        std::memcpy(heap_.base(peer) + ref_value(ref) + mine_off, fin, mine_bytes);
-      else
-        cma_write(peer, fin, ref_value(ref) + mine_off, mine_bytes, Site{Phase::kAllGather, 0, peer}, e);
-    }
-  }
-
-  // All-gather: my shard is delivered (or ready to pull); collect what was not pushed to me.
-  for (int h = 0; h < G; ++h)
-    if (h != me) signal(where_.rank_of(where_.node, h), layout_.final_cell(p, me), word, final_off);
-  for (int h = 0; h < G; ++h) {
-    if (h == me) continue;
-    const int peer = where_.rank_of(where_.node, h);
-    const auto aux = wait(layout_.final_cell(p, h), e, sig, Site{Phase::kAllGather, 0, peer});
-    if (ref_kind(out_ref) == kRefPull) {
-      const Range rh = shard_range(n, static_cast<int>(es), G, h);
-      std::memcpy(out + rh.begin * es, heap_.base(peer) + aux.first, rh.size() * es);
-    }
-  }
-}
-
-// One-shot round: every rank reduces the whole chunk from all local peers (no all-gather).
-void CpuExecutor::round_one_shot(const char* in, char* out, size_t n, size_t es, uint64_t e, uint32_t sig,
-                                 ReduceFn fn, Scale sc) {
-  const int p = static_cast<int>(e & 1);
-  const uint64_t word = flag_word(e, sig);
-  const int G = where_.G;
-  const int me = where_.local;
-  char* my = heap_.mine();
-
-  // Always staged (even a zero-copy input): without an all-gather, nothing tells me when my peers
-  // are done reading, so the buffer they read must be a parity slot (NOTE [epoch protocol]).
-  if (G > 1) {
-    std::memcpy(my + layout_.staging(p), in, n * es);
-    jitter();
-    for (int h = 0; h < G; ++h)
-      if (h != me) signal(where_.rank_of(where_.node, h), layout_.ready_cell(p, me), word, layout_.staging(p));
-  }
-  for (int h = 0; h < G; ++h) {
-    if (h == me) {
-      srcs_[static_cast<size_t>(h)] = in;
-    } else {
-      const int peer = where_.rank_of(where_.node, h);
-      const auto aux = wait(layout_.ready_cell(p, h), e, sig, Site{Phase::kOneShot, 0, peer});
-      srcs_[static_cast<size_t>(h)] = heap_.base(peer) + aux.first;
-    }
-  }
-  const void* const* srcs = reinterpret_cast<const void* const*>(srcs_.data());
-  if (where_.N == 1) {
-    void* const dst[1] = {out};
-    fn(dst, 1, srcs, G, n, sc);
-    return;
-  }
-  void* const dst[1] = {my + layout_.result(p)};
-  fn(dst, 1, srcs, G, n, make_scale(RedOp::kSum, 1));
-  const size_t final_off = inter_node(n, es, e, sig, fn, sc);
-  std::memcpy(out, my + final_off, n * es);
-}
-
-size_t CpuExecutor::inter_node(size_t n, size_t es, uint64_t e, uint32_t sig, ReduceFn fn, Scale sc) {
-  const int p = static_cast<int>(e & 1);
-  const uint64_t word = flag_word(e, sig);
-  const InterSchedule sched = InterSchedule::make(where_.N, where_.node);
-  const Scale none = make_scale(RedOp::kSum, 1);
-  const int last_exchange = sched.exchange_slot(sched.K - 1);
-  char* my = heap_.mine();
-  int loc = -1;  // accumulator: result slot
-  for (int i = 0; i < sched.num_steps(); ++i) {
-    const InterStep st = sched.step(i);
-    const int peer = where_.rank_of(st.partner, where_.local);
-    if (st.send) {
-      jitter();
-      std::memcpy(heap_.base(peer) + layout_.zone(p, st.slot), my + layout_.acc_location(p, loc), n * es);
-      signal(peer, layout_.inter_cell(p, st.slot), word, 0);
-    }
-    if (st.recv) {
-      wait(layout_.inter_cell(p, st.slot), e, sig, Site{Phase::kInterNode, i, peer});
-      char* dst = my + layout_.zone(p, st.slot);
-      if (st.combine) {
-        const void* ops[2];
-        const char* acc = my + layout_.acc_location(p, loc);
-        ops[0] = st.mine_first ? acc : dst;
-        ops[1] = st.mine_first ? dst : acc;
-        void* const dsts[1] = {dst};
-        fn(dsts, 1, ops, 2, n, st.slot == last_exchange ? sc : none);
-      }
-      loc = st.slot;
-    }
-  }
-  return layout_.acc_location(p, loc);
+    two_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
 }
 
 void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1) {

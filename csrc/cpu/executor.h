@@ -11,6 +11,7 @@
 
 #include "../common/error.h"
 #include "../protocol/plan.h"
+#include "../protocol/round.h"
 #include "../protocol/types.h"
 #include "reduce_kernels.h"
 #include "shm_heap.h"
@@ -77,21 +78,16 @@ class CpuExecutor {
   void close();
 
  private:
+  friend struct CpuTransport;
   struct Site {
     Phase phase;
     int step;
     int peer;  // rank we wait for
   };
 
+  // One protocol round (protocol/round.h) on n elements, epoch advanced.
   void round(const char* in, char* out, size_t n, size_t elem_size, bool in_pool, bool out_pool, Variant v,
              uint32_t sig, ReduceFn fn, Scale sc);
-  void round_two_shot(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, uint64_t e,
-                      uint32_t sig, ReduceFn fn, Scale sc);
-  void round_one_shot(const char* in, char* out, size_t n, size_t es, uint64_t e, uint32_t sig, ReduceFn fn,
-                      Scale sc);
-  // Inter-node recursive doubling of `bytes` among the ranks with my local index, starting from
-  // the accumulator at result(p). Returns the offset of the final result in my segment.
-  size_t inter_node(size_t n, size_t es, uint64_t e, uint32_t sig, ReduceFn fn, Scale sc);
 
   void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1 = 0);
   // Waits for the flag of round `epoch`; returns its aux words.
@@ -125,6 +121,8 @@ class CpuExecutor {
   std::vector<char> cma_scratch_;           // private landing space of cross-memory reads (G-1 shards)
   bool cma_ = false;
   uint64_t exposed_epoch_ = 0;              // last round whose ready flags exposed my private buffers
+  Workspace ws_{};                          // views of the vectors above, for protocol/round.h
+  RoundConfig round_cfg_{};
   uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
   uint64_t rng_ = 0;
 };

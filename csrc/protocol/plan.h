@@ -268,39 +268,50 @@ struct InterSchedule {
 };
 
 // Byte layout of one rank's segment (identical on every rank of a communicator).
-// Cell indices: 0 abort; then ready[2][G], final[2][G], inter[2][S].
+// A chunk is processed as B independent slices (B = 1 on the CPU; one per CUDA block on the GPU),
+// each with its own flags and its own part of every slot, so that slices never wait for each
+// other. Cell indices: 0 abort; then ready[2][G][B], final[2][G][B], inter[2][S][B].
 struct SegmentLayout {
   int G;
   int S;                   // zones per parity (InterSchedule::num_slots)
-  size_t cell_stride;      // bytes per flag cell (64 on CPU: no false sharing between writers)
+  int B;                   // slices per chunk
+  size_t cell_stride;      // bytes per flag cell (64: no false sharing between writers)
   size_t header_bytes;     // header + error text
   size_t cells_off;
   size_t staging_bytes;    // >= max chunk bytes
-  size_t zone_bytes;       // >= max shard bytes, and >= the one-shot chunk limit
-  size_t staging_off;      // staging[p] at staging_off + p * staging_bytes
-  size_t result_off;       // result[p] at result_off + p * zone_bytes
-  size_t zones_off;        // zone[p][s] at zones_off + (p * S + s) * zone_bytes
+  size_t zone_slice_bytes; // one slice's part of a zone or result slot
+  size_t zone_bytes;       // B * zone_slice_bytes
+  size_t staging_off;      // staging[p] at staging_off + p * staging_bytes (slices at their chunk offsets)
+  size_t result_off;       // result[p][b] at result_off + (p * B + b) * zone_slice_bytes
+  size_t zones_off;        // zone[p][s][b] at zones_off + ((p * S + s) * B + b) * zone_slice_bytes
   size_t pool_off;         // user pool (Communicator.empty)
   size_t pool_bytes;
   size_t total_bytes;
 
   static constexpr size_t kPage = 4096;
 
+  // Elements of slice b when a chunk of n elements is cut into B slices (16-byte aligned).
+  NVRAR_HD static Range slice_range(size_t n, int elem_size, int B, int b) { return shard_range(n, elem_size, B, b); }
+
   NVRAR_HD static SegmentLayout make(int G, int num_nodes, size_t max_bytes, size_t min_zone_bytes,
-                                     size_t pool_bytes, size_t cell_stride) {
+                                     size_t pool_bytes, size_t cell_stride, int B = 1) {
     SegmentLayout L;
     L.G = G;
     L.S = InterSchedule::num_slots_for(num_nodes);
+    L.B = B;
     L.cell_stride = cell_stride;
     L.header_bytes = kPage;
     L.cells_off = L.header_bytes;
-    size_t ncells = 1 + 4 * static_cast<size_t>(G) + 2 * static_cast<size_t>(L.S);
+    size_t ncells = 1 + (4 * static_cast<size_t>(G) + 2 * static_cast<size_t>(L.S)) * static_cast<size_t>(B);
     L.staging_off = align_up(L.cells_off + ncells * cell_stride, kPage);
     L.staging_bytes = align_up(max_bytes, kPage);
-    // A shard of a max_bytes chunk: ceil(max_bytes / G) rounded up to 16 bytes, plus one element.
-    size_t shard = align_up(ceil_div(max_bytes, static_cast<size_t>(G)) + kAlignBytes, kAlignBytes);
-    size_t zone = shard > min_zone_bytes ? shard : min_zone_bytes;
-    L.zone_bytes = align_up(zone, 256);
+    // A shard of one slice of a max_bytes chunk: ceil(ceil(max_bytes / B) / G) rounded up to 16
+    // bytes, plus slack for the alignment of the slice and shard bounds.
+    size_t slice = ceil_div(max_bytes, static_cast<size_t>(B)) + kAlignBytes;
+    size_t shard = align_up(ceil_div(slice, static_cast<size_t>(G)) + kAlignBytes, kAlignBytes);
+    size_t oneshot = ceil_div(min_zone_bytes, static_cast<size_t>(B)) + kAlignBytes;
+    L.zone_slice_bytes = align_up(shard > oneshot ? shard : oneshot, 256);
+    L.zone_bytes = L.zone_slice_bytes * static_cast<size_t>(B);
     L.result_off = L.staging_off + 2 * L.staging_bytes;
     L.zones_off = align_up(L.result_off + 2 * L.zone_bytes, kPage);
     L.pool_off = align_up(L.zones_off + 2 * static_cast<size_t>(L.S) * L.zone_bytes, kPage);
@@ -309,23 +320,33 @@ struct SegmentLayout {
     return L;
   }
 
+  NVRAR_HD size_t cell(size_t index) const { return cells_off + index * cell_stride; }
   NVRAR_HD size_t abort_cell() const { return cells_off; }
-  NVRAR_HD size_t ready_cell(int parity, int src_local) const {
-    return cells_off + (1 + static_cast<size_t>(parity) * G + src_local) * cell_stride;
+  NVRAR_HD size_t ready_cell(int parity, int src_local, int b = 0) const {
+    return cell(1 + (static_cast<size_t>(parity) * G + src_local) * B + b);
   }
-  NVRAR_HD size_t final_cell(int parity, int src_local) const {
-    return cells_off + (1 + 2 * static_cast<size_t>(G) + static_cast<size_t>(parity) * G + src_local) * cell_stride;
+  NVRAR_HD size_t final_cell(int parity, int src_local, int b = 0) const {
+    return cell(1 + (2 * static_cast<size_t>(G) + static_cast<size_t>(parity) * G + src_local) * B + b);
   }
-  NVRAR_HD size_t inter_cell(int parity, int slot) const {
-    return cells_off + (1 + 4 * static_cast<size_t>(G) + static_cast<size_t>(parity) * S + slot) * cell_stride;
+  NVRAR_HD size_t inter_cell(int parity, int slot, int b = 0) const {
+    return cell(1 + (4 * static_cast<size_t>(G) + static_cast<size_t>(parity) * S + slot) * B + b);
   }
   NVRAR_HD size_t staging(int parity) const { return staging_off + static_cast<size_t>(parity) * staging_bytes; }
-  NVRAR_HD size_t result(int parity) const { return result_off + static_cast<size_t>(parity) * zone_bytes; }
-  NVRAR_HD size_t zone(int parity, int slot) const {
-    return zones_off + (static_cast<size_t>(parity) * S + slot) * zone_bytes;
+  NVRAR_HD size_t result(int parity, int b = 0) const {
+    return result_off + (static_cast<size_t>(parity) * B + b) * zone_slice_bytes;
+  }
+  NVRAR_HD size_t zone(int parity, int slot, int b = 0) const {
+    return zones_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * zone_slice_bytes;
   }
   // Offset of the accumulator location `slot` as returned by InterSchedule (-1 = result slot).
-  NVRAR_HD size_t acc_location(int parity, int slot) const { return slot < 0 ? result(parity) : zone(parity, slot); }
+  NVRAR_HD size_t acc_location(int parity, int slot, int b = 0) const {
+    return slot < 0 ? result(parity, b) : zone(parity, slot, b);
+  }
+  // Largest chunk (bytes) whose every slice fits a zone slice whole: the one-shot variant across
+  // nodes sends whole slices, not shards.
+  NVRAR_HD size_t oneshot_chunk_bytes() const {
+    return (zone_slice_bytes - 2 * kAlignBytes) / 64 * 64 * static_cast<size_t>(B);
+  }
 };
 
 // 16-bit call signature carried by every flag: a mismatch between ranks is caught at the first

@@ -1,0 +1,312 @@
+// One protocol round of one slice, written once for every executor: the CPU executor runs it
+// with a group of one and its shared-memory transport (csrc/cpu/executor.cpp), every CUDA block
+// runs it for its own slice with the NVSHMEM transport (csrc/cuda/). See NOTE [epoch protocol] in
+// plan.h for the rules it follows.
+//
+// A Transport provides (all of them group-collective: every member of the group calls them):
+//   char* my() / char* base(int rank)      my segment / a local peer's segment (load-store access)
+//   bool leader()                          the member that polls, signals and calls the system
+//   void sync()                            barrier of the group (no-op for a group of one)
+//   void signal(rank, cell, word, aux0, aux1)          after the group's writes: fence, store the flag
+//   bool wait(cell, epoch, sig, Phase, step, peer, &aux0, &aux1)   deadline, abort and signature checks;
+//                                          false: the round failed (GPU); the CPU transport throws
+//   bool put_signal(rank, dst_off, src, bytes, cell, word)  inter-node put, then its flag
+//   void reduce(char* const* dst, nd, const char* const* src, ns, n, Scale)   typed, in this group
+//   void copy(char* dst, const char* src, bytes)
+//   bool remote_read(rank, dst, addr, bytes, Phase, peer) / remote_write(...)   private memory of a
+//                                          local peer (CPU cross-memory access; never used on GPU)
+//   void expose(epoch)                     this round advertised my private memory (CPU)
+//   void jitter()                          testing delays (CPU)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/hd.h"
+#include "phase.h"
+#include "plan.h"
+#include "types.h"
+
+namespace nvrar {
+
+// Per-round scratch arrays, at least G entries each (CPU: vectors; GPU: shared memory).
+struct Workspace {
+  const char** srcs;        // reduce sources, local-rank order
+  const char** piece_srcs;  // the same, advanced to the current piece (scratch for remote ones)
+  char** dsts;              // reduce destinations
+  char** piece_dsts;
+  uint64_t* peer_out;       // per local rank: its OutRef (how it wants results delivered)
+  uint64_t* src_remote;     // per local rank: address of its shard in its private memory, or 0
+  char* scratch;            // landing space of remote reads: (G - 1) pieces (CPU only)
+};
+
+// What every round of an executor shares.
+struct RoundConfig {
+  Layout where;
+  SegmentLayout L;
+  bool cma;                  // cross-memory access to local peers' private memory (CPU)
+  size_t cma_min_bytes;      // smallest shard worth a cross-memory transfer
+  size_t cma_piece_bytes;    // cross-memory transfers go piece by piece
+};
+
+// One slice of one chunk: an independent protocol instance with its own flags and slot parts.
+struct Slice {
+  const char* in;    // this slice of the input (private memory, or my pool when in_pool)
+  char* out;         // this slice of the output (private, or my pool when out_pool)
+  size_t n;          // elements
+  size_t es;         // element size
+  size_t chunk_off;  // byte offset of this slice within its chunk (its place in staging)
+  int b;             // slice index
+  bool in_pool;
+  bool out_pool;
+};
+
+template <typename TP>
+NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t es, uint64_t e, uint32_t sig,
+                               Scale sc, int b, size_t* final_off) {
+  const int p = static_cast<int>(e & 1);
+  const uint64_t word = flag_word(e, sig);
+  const Layout& w = cfg.where;
+  const SegmentLayout& L = cfg.L;
+  const InterSchedule sched = InterSchedule::make(w.N, w.node);
+  const Scale none = make_scale(RedOp::kSum, 1);
+  const int last_exchange = sched.exchange_slot(sched.K - 1);
+  char* my = tp.my();
+  int loc = -1;  // accumulator: the result slot
+  for (int i = 0; i < sched.num_steps(); ++i) {
+    const InterStep st = sched.step(i);
+    const int peer = w.rank_of(st.partner, w.local);
+    if (st.send) {
+      tp.jitter();
+      if (!tp.put_signal(peer, L.zone(p, st.slot, b), my + L.acc_location(p, loc, b), n * es, L.inter_cell(p, st.slot, b),
+                         word))
+        return false;
+    }
+    if (st.recv) {
+      uint64_t a0, a1;
+      if (!tp.wait(L.inter_cell(p, st.slot, b), e, sig, Phase::kInterNode, i, peer, &a0, &a1)) return false;
+      char* dst = my + L.zone(p, st.slot, b);
+      if (st.combine) {
+        const char* acc = my + L.acc_location(p, loc, b);
+        const char* ops[2] = {st.mine_first ? acc : dst, st.mine_first ? dst : acc};
+        char* dsts[1] = {dst};
+        tp.reduce(dsts, 1, ops, 2, n, st.slot == last_exchange ? sc : none);
+      }
+      loc = st.slot;
+    }
+  }
+  *final_off = L.acc_location(p, loc, b);
+  return true;
+}
+
+// Two-shot round of one slice: stage-in, intra-node reduce-scatter (pushing finished shards
+// straight into the outputs that peers expose), inter-node recursive doubling, all-gather.
+template <typename TP>
+NVRAR_HD bool two_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws, const Slice& s, uint64_t e,
+                             uint32_t sig, Scale sc) {
+  const int p = static_cast<int>(e & 1);
+  const uint64_t word = flag_word(e, sig);
+  const Layout& w = cfg.where;
+  const SegmentLayout& L = cfg.L;
+  const int G = w.G;
+  const int me = w.local;
+  const int b = s.b;
+  const size_t es = s.es;
+  char* my = tp.my();
+  const Range mine = shard_range(s.n, static_cast<int>(es), G, me);
+  const size_t mine_off = mine.begin * es;
+  const size_t mine_bytes = mine.size() * es;
+  const Scale none = make_scale(RedOp::kSum, 1);
+
+  // Stage-in. Local peer h reads only shard h of my input; shard `me` is read by me alone, so it
+  // stays where it is. A zero-copy input is read in place; with cross-memory access and a shard
+  // worth a system call, the peers read my private input directly (one copy instead of two).
+  const bool use_cma = cfg.cma && s.n * es / static_cast<size_t>(G) >= cfg.cma_min_bytes;
+  uint64_t in_ref;
+  if (s.in_pool) {
+    in_ref = make_ref(kRefShm, static_cast<uint64_t>(s.in - my));
+  } else if (use_cma) {
+    in_ref = make_ref(kRefCma, reinterpret_cast<uint64_t>(s.in));
+  } else {
+    const size_t staging = L.staging(p) + s.chunk_off;
+    in_ref = make_ref(kRefShm, staging);
+    if (G > 1) {
+      tp.copy(my + staging, s.in, mine_off);
+      tp.copy(my + staging + mine.end * es, s.in + mine.end * es, (s.n - mine.end) * es);
+    }
+  }
+  // How my peers deliver their result shards to me: straight into my output when they can reach
+  // it (it is in my pool, or cross-memory writes are enabled and worth their system call).
+  uint64_t out_ref = make_ref(kRefPull, 0);
+  if (s.out_pool)
+    out_ref = make_ref(kRefShm, static_cast<uint64_t>(s.out - my));
+  else if (use_cma)
+    out_ref = make_ref(kRefCma, reinterpret_cast<uint64_t>(s.out));
+  if (ref_kind(in_ref) == kRefCma || ref_kind(out_ref) == kRefCma) tp.expose(e);
+  if (G > 1) tp.jitter();
+  for (int h = 0; h < G; ++h)
+    if (h != me) tp.signal(w.rank_of(w.node, h), L.ready_cell(p, me, b), word, in_ref, out_ref);
+
+  // Intra-node reduce-scatter of shard `me`, sources in local-rank order.
+  bool any_pull = false;
+  bool any_remote = false;
+  for (int h = 0; h < G; ++h) {
+    uint64_t a0 = 0, a1 = 0;
+    if (h != me) {
+      const int peer = w.rank_of(w.node, h);
+      if (!tp.wait(L.ready_cell(p, h, b), e, sig, Phase::kReduceScatter, 0, peer, &a0, &a1)) return false;
+    }
+    if (tp.leader()) {
+      ws.src_remote[h] = 0;
+      if (h == me) {
+        ws.srcs[h] = s.in + mine_off;
+      } else if (ref_kind(a0) == kRefCma) {
+        ws.src_remote[h] = ref_value(a0) + mine_off;  // read from h's private memory, below
+      } else {
+        ws.srcs[h] = tp.base(w.rank_of(w.node, h)) + ref_value(a0) + mine_off;
+      }
+      ws.peer_out[h] = h == me ? out_ref : a1;
+    }
+    if (h != me) {
+      any_remote = any_remote || ref_kind(a0) == kRefCma;
+      any_pull = any_pull || ref_kind(a1) == kRefPull;
+    }
+  }
+  tp.sync();  // the leader's workspace entries are visible to the whole group
+  const size_t res = L.result(p, b);
+  // Destinations of the reduced shard. One node: my output, the outputs of the peers that take
+  // pushes into their pool, and my result slot for the peers that pull. Several nodes: the result
+  // slot, where the inter-node phase starts.
+  int nd = 0;
+  bool any_cma_push = false;
+  if (w.N == 1) {
+    if (tp.leader()) ws.dsts[0] = s.out + mine_off;
+    nd = 1;
+    for (int h = 0; h < G; ++h) {
+      if (h == me) continue;
+      const uint64_t ref = ws.peer_out[h];
+      if (ref_kind(ref) == kRefShm) {
+        if (tp.leader()) ws.dsts[nd] = tp.base(w.rank_of(w.node, h)) + ref_value(ref) + mine_off;
+        ++nd;
+      }
+      any_cma_push = any_cma_push || ref_kind(ref) == kRefCma;
+    }
+    if (any_pull) {
+      if (tp.leader()) ws.dsts[nd] = my + res;
+      ++nd;
+    }
+  } else {
+    if (tp.leader()) ws.dsts[0] = my + res;
+    nd = 1;
+  }
+  tp.sync();
+  // Piece by piece when cross-memory transfers are involved, so that each piece is fetched,
+  // reduced and pushed while it is in cache; else in one go.
+  const size_t piece = (any_remote || any_cma_push) ? cfg.cma_piece_bytes : mine_bytes;
+  if (nd > 1 || any_cma_push) tp.jitter();
+  for (size_t off = 0; off < mine_bytes; off += piece) {
+    const size_t len = mine_bytes - off < piece ? mine_bytes - off : piece;
+    char* scratch = ws.scratch;
+    for (int h = 0; h < G; ++h) {
+      if (ws.src_remote[h] != 0) {
+        if (!tp.remote_read(w.rank_of(w.node, h), scratch, ws.src_remote[h] + off, len, Phase::kReduceScatter))
+          return false;
+        if (tp.leader()) ws.piece_srcs[h] = scratch;
+        scratch += align_up(len, 64);
+      } else if (tp.leader()) {
+        ws.piece_srcs[h] = ws.srcs[h] + off;
+      }
+    }
+    if (tp.leader())
+      for (int d = 0; d < nd; ++d) ws.piece_dsts[d] = ws.dsts[d] + off;
+    tp.sync();
+    tp.reduce(ws.piece_dsts, nd, ws.piece_srcs, G, len / es, w.N == 1 ? sc : none);
+    tp.sync();  // every member is done with this piece's pointers before the next piece's
+    if (!any_cma_push) continue;
+    for (int h = 0; h < G; ++h) {
+      const uint64_t ref = ws.peer_out[h];
+      if (h == me || ref_kind(ref) != kRefCma) continue;
+      if (!tp.remote_write(w.rank_of(w.node, h), s.out + mine_off + off, ref_value(ref) + mine_off + off, len,
+                           Phase::kAllGather))
+        return false;
+    }
+  }
+  size_t final_off = res;
+  if (w.N > 1) {
+    // Inter-node recursive doubling of shard `me`, then deliver the final shard.
+    if (!inter_node_round(tp, cfg, mine.size(), es, e, sig, sc, b, &final_off)) return false;
+    const char* fin = my + final_off;
+    tp.copy(s.out + mine_off, fin, mine_bytes);
+    for (int h = 0; h < G; ++h) {
+      const uint64_t ref = ws.peer_out[h];
+      if (h == me || ref_kind(ref) == kRefPull) continue;
+      tp.jitter();
+      if (ref_kind(ref) == kRefShm) {
+        tp.copy(tp.base(w.rank_of(w.node, h)) + ref_value(ref) + mine_off, fin, mine_bytes);
+      } else if (!tp.remote_write(w.rank_of(w.node, h), fin, ref_value(ref) + mine_off, mine_bytes, Phase::kAllGather)) {
+        return false;
+      }
+    }
+  }
+
+  // All-gather: my shard is delivered (or ready to pull); collect what was not pushed to me.
+  for (int h = 0; h < G; ++h)
+    if (h != me) tp.signal(w.rank_of(w.node, h), L.final_cell(p, me, b), word, final_off, 0);
+  for (int h = 0; h < G; ++h) {
+    if (h == me) continue;
+    const int peer = w.rank_of(w.node, h);
+    uint64_t a0, a1;
+    if (!tp.wait(L.final_cell(p, h, b), e, sig, Phase::kAllGather, 0, peer, &a0, &a1)) return false;
+    if (ref_kind(out_ref) == kRefPull) {
+      const Range rh = shard_range(s.n, static_cast<int>(es), G, h);
+      tp.copy(s.out + rh.begin * es, tp.base(peer) + a0, rh.size() * es);
+    }
+  }
+  return true;
+}
+
+// One-shot round of one slice: every rank reduces the whole slice from all local peers (no
+// all-gather), then the inter-node recursive doubling runs on the whole slice.
+template <typename TP>
+NVRAR_HD bool one_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws, const Slice& s, uint64_t e,
+                             uint32_t sig, Scale sc) {
+  const int p = static_cast<int>(e & 1);
+  const uint64_t word = flag_word(e, sig);
+  const Layout& w = cfg.where;
+  const SegmentLayout& L = cfg.L;
+  const int G = w.G;
+  const int me = w.local;
+  const int b = s.b;
+  char* my = tp.my();
+  const size_t staging = L.staging(p) + s.chunk_off;
+
+  // Always staged (even a zero-copy input): without an all-gather, nothing tells me when my peers
+  // are done reading, so the buffer they read must be a parity slot (NOTE [epoch protocol]).
+  if (G > 1) {
+    tp.copy(my + staging, s.in, s.n * s.es);
+    tp.jitter();
+    for (int h = 0; h < G; ++h)
+      if (h != me) tp.signal(w.rank_of(w.node, h), L.ready_cell(p, me, b), word, make_ref(kRefShm, staging), 0);
+  }
+  for (int h = 0; h < G; ++h) {
+    uint64_t a0 = 0, a1 = 0;
+    if (h != me) {
+      const int peer = w.rank_of(w.node, h);
+      if (!tp.wait(L.ready_cell(p, h, b), e, sig, Phase::kOneShot, 0, peer, &a0, &a1)) return false;
+    }
+    if (tp.leader()) ws.srcs[h] = h == me ? s.in : tp.base(w.rank_of(w.node, h)) + ref_value(a0);
+  }
+  if (tp.leader()) ws.dsts[0] = w.N == 1 ? s.out : my + L.result(p, b);
+  tp.sync();
+  if (w.N == 1) {
+    tp.reduce(ws.dsts, 1, ws.srcs, G, s.n, sc);
+    return true;
+  }
+  tp.reduce(ws.dsts, 1, ws.srcs, G, s.n, make_scale(RedOp::kSum, 1));
+  size_t final_off = 0;
+  if (!inter_node_round(tp, cfg, s.n, s.es, e, sig, sc, b, &final_off)) return false;
+  tp.copy(s.out, my + final_off, s.n * s.es);
+  return true;
+}
+
+}  // namespace nvrar
