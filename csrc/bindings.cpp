@@ -67,7 +67,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CpuExecutor>(m, "CpuExecutor")
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
                        size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
-                       size_t cma_min_bytes, size_t cma_piece_bytes) {
+                       size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes) {
              CpuConfig c;
              c.rank = rank;
              c.world = world;
@@ -81,12 +81,13 @@ PYBIND11_MODULE(_C, m) {
              c.cma = cma;
              c.cma_min_bytes = cma_min_bytes;
              c.cma_piece_bytes = cma_piece_bytes;
+             c.ll_max_bytes = ll_max_bytes;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us") = 0.0,
            py::arg("jitter_seed") = 0, py::arg("cma") = true, py::arg("cma_min_bytes") = 8 << 10,
-           py::arg("cma_piece_bytes") = 256 << 10)
+           py::arg("cma_piece_bytes") = 256 << 10, py::arg("ll_max_bytes") = 0)
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
@@ -157,42 +158,48 @@ PYBIND11_MODULE(_C, m) {
   m.def("inter_final_slot", [](int N, int node) { return InterSchedule::make(N, node).final_slot(); });
   m.def("inter_num_slots", [](int N) { return InterSchedule::num_slots_for(N); });
   m.def("segment_layout",
-        [](int G, int N, size_t max_bytes, size_t min_zone_bytes, size_t pool_bytes, size_t cell_stride) {
-          SegmentLayout L = SegmentLayout::make(G, N, max_bytes, min_zone_bytes, pool_bytes, cell_stride);
+        [](int G, int N, size_t max_bytes, size_t min_zone_bytes, size_t pool_bytes, size_t cell_stride, int B,
+           size_t ll_max_bytes) {
+          SegmentLayout L = SegmentLayout::make(G, N, max_bytes, min_zone_bytes, pool_bytes, cell_stride, B, ll_max_bytes);
           py::dict d;
-          py::list ready, fin, inter, zones;
+          py::list regions;  // (name, offset, bytes) of every cell and slot
+          auto add = [&](const std::string& name, size_t off, size_t bytes) {
+            regions.append(py::make_tuple(name, off, bytes));
+          };
+          add("abort", L.abort_cell(), L.cell_stride);
           for (int p = 0; p < 2; ++p) {
-            py::list r, f, c, z;
-            for (int h = 0; h < G; ++h) {
-              r.append(L.ready_cell(p, h));
-              f.append(L.final_cell(p, h));
+            const std::string ps = std::to_string(p);
+            add("staging" + ps, L.staging(p), L.staging_bytes);
+            for (int b = 0; b < B; ++b) {
+              const std::string bs = "/" + std::to_string(b);
+              add("result" + ps + bs, L.result(p, b), L.zone_slice_bytes);
+              for (int h = 0; h < G; ++h) {
+                add("ready" + ps + "/" + std::to_string(h) + bs, L.ready_cell(p, h, b), L.cell_stride);
+                add("final" + ps + "/" + std::to_string(h) + bs, L.final_cell(p, h, b), L.cell_stride);
+              }
+              for (int sl = 0; sl < L.S; ++sl) {
+                const std::string ss = "/" + std::to_string(sl);
+                add("inter" + ps + ss + bs, L.inter_cell(p, sl, b), L.cell_stride);
+                add("zone" + ps + ss + bs, L.zone(p, sl, b), L.zone_slice_bytes);
+                if (L.ll_slice_bytes) {
+                  add("llzone" + ps + ss + bs, L.llzone(p, sl, b), L.ll_slice_bytes);
+                  add("llout" + ps + ss + bs, L.llout(p, sl, b), L.ll_slice_bytes);
+                }
+              }
             }
-            for (int s = 0; s < L.S; ++s) {
-              c.append(L.inter_cell(p, s));
-              z.append(L.zone(p, s));
-            }
-            ready.append(r);
-            fin.append(f);
-            inter.append(c);
-            zones.append(z);
           }
-          d["abort_cell"] = L.abort_cell();
-          d["ready_cells"] = ready;
-          d["final_cells"] = fin;
-          d["inter_cells"] = inter;
-          d["zones"] = zones;
-          d["staging"] = py::make_tuple(L.staging(0), L.staging(1));
-          d["result"] = py::make_tuple(L.result(0), L.result(1));
+          add("pool", L.pool_off, L.pool_bytes);
+          d["regions"] = regions;
           d["staging_bytes"] = L.staging_bytes;
+          d["zone_slice_bytes"] = L.zone_slice_bytes;
           d["zone_bytes"] = L.zone_bytes;
-          d["pool_off"] = L.pool_off;
-          d["pool_bytes"] = L.pool_bytes;
-          d["cell_stride"] = L.cell_stride;
+          d["ll_slice_bytes"] = L.ll_slice_bytes;
+          d["oneshot_chunk_bytes"] = L.oneshot_chunk_bytes();
           d["total_bytes"] = L.total_bytes;
           return d;
         },
         py::arg("ranks_per_node"), py::arg("num_nodes"), py::arg("max_bytes"), py::arg("min_zone_bytes"),
-        py::arg("pool_bytes"), py::arg("cell_stride") = 64);
+        py::arg("pool_bytes"), py::arg("cell_stride") = 64, py::arg("slices") = 1, py::arg("ll_max_bytes") = 0);
   m.def("call_signature", &call_signature, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("variant"));
   m.def("flag_word", &flag_word, py::arg("epoch"), py::arg("sig"));
 

@@ -187,7 +187,7 @@ class Communicator:
             cma = env.get_int("NVRAR_CMA")
             self._ex = _C.CpuExecutor(self._rank, self._world, G, max_bytes, heap_bytes, oneshot, timeout,
                                       jitter, seed, cma != 0, selector.cma_min_bytes("cpu", G),
-                                      selector.cma_piece_bytes("cpu", G))
+                                      selector.cma_piece_bytes("cpu", G), selector.ll_max_bytes("cpu"))
             names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
             status = {"error": "", "cma": False}
             try:

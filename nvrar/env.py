@@ -59,6 +59,13 @@ VARIABLES: Dict[str, EnvVar] = {
             "signals of the CPU executor, to shake out races in the epoch protocol.",
         ),
         EnvVar(
+            "NVRAR_LL_MAX_BYTES",
+            "",
+            "Inter-node shards up to this size go as low-latency packets (flag in every 8-byte word) "
+            "instead of put-with-signal. Default: 32K on GPU; 0 (off) on CPU, where tests turn it on "
+            "to exercise the GPU's LL logic. Must be equal on every rank.",
+        ),
+        EnvVar(
             "NVRAR_TUNING_FILE",
             "~/.cache/nvrar/tuning.json",
             "Tuning tables written by `nvrar tune`, read when nvrar.torch sets up a group; a table is "

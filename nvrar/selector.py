@@ -13,7 +13,8 @@ from typing import Optional
 from . import env
 
 __all__ = ["VARIANTS", "NATIVE", "Table", "select", "default_choice", "variant_code", "oneshot_max_bytes",
-           "cma_min_bytes", "cma_piece_bytes"]
+           "cma_min_bytes", "cma_piece_bytes",
+           "ll_max_bytes"]
 
 # Codes shared with csrc/cpu/executor.h (Variant).
 VARIANTS = {"auto": 0, "two-shot": 1, "one-shot": 2}
@@ -69,6 +70,21 @@ _CPU_CMA_PIECE = 128 << 10
 
 def cma_piece_bytes(device: str, ranks_per_node: int) -> int:
     return _CPU_CMA_PIECE
+
+
+# Inter-node shards up to this size travel as LL packets (protocol/ll.h): one network latency
+# instead of two (data, then signal), at twice the bytes; above it put-with-signal. GPU: 32 KB, an
+# untuned guess at where doubling the bytes costs more than a network latency (NVSHMEM puts on
+# InfiniBand: ~2-3 us latency, ~45 GB/s: 32 KB more on the wire is ~0.7 us). CPU: off (flags in
+# shared memory cost nothing); tests switch it on to run the GPU's LL logic on the CPU.
+_GPU_LL_MAX = 32 << 10
+
+
+def ll_max_bytes(device: str) -> int:
+    override = env.get_bytes("NVRAR_LL_MAX_BYTES")
+    if override is not None:
+        return override
+    return _GPU_LL_MAX if device == "cuda" else 0
 
 
 # -- nvrar or the group's native backend ------------------------------------------------------

@@ -85,7 +85,7 @@ def test_bad_input_raises_before_communicating():
 
 @pytest.mark.parametrize("world,G,calls,extra", [
     (4, 2, 3000, {"NVRAR_CMA_MIN_BYTES": "64"}),  # pushes by cross-memory write
-    (5, 1, 1500, {}),
+    (5, 1, 1500, {"NVRAR_LL_MAX_BYTES": "16K"}),  # inter-node LL packets for small shards
     (3, 3, 1500, {"NVRAR_CMA": "0"}),             # pulls from the segment
 ])
 def test_jitter_thousands_of_calls(world, G, calls, extra):

@@ -21,7 +21,8 @@ def check_reports(reports, world):
 
 # Result delivery: with a tiny threshold every two-shot shard goes by cross-memory write (or by
 # direct store into a pool output); with NVRAR_CMA=0 private outputs pull from the segment.
-DELIVERY = {"cma": {"NVRAR_CMA_MIN_BYTES": "64"}, "pull": {"NVRAR_CMA": "0"}}
+# LL: every inter-node shard up to 64 KB goes as LL packets (the GPU's small-shard transport).
+DELIVERY = {"cma": {"NVRAR_CMA_MIN_BYTES": "64"}, "pull": {"NVRAR_CMA": "0", "NVRAR_LL_MAX_BYTES": "64K"}}
 
 
 @pytest.mark.parametrize("delivery", sorted(DELIVERY))

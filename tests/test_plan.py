@@ -286,23 +286,23 @@ def test_protocol_model_catches_a_missing_parity():
     assert caught > 0
 
 
-@pytest.mark.parametrize("G,N", [(1, 1), (2, 1), (8, 1), (1, 17), (4, 5), (8, 17)])
-def test_segment_layout_regions_disjoint(G, N):
-    L = _C.segment_layout(G, N, 1 << 20, 64 << 10, 1 << 20, 64)
-    regions = [("abort", L["abort_cell"], L["cell_stride"])]
-    for p in range(2):
-        regions += [(f"ready{p}{h}", off, L["cell_stride"]) for h, off in enumerate(L["ready_cells"][p])]
-        regions += [(f"final{p}{h}", off, L["cell_stride"]) for h, off in enumerate(L["final_cells"][p])]
-        regions += [(f"inter{p}{s}", off, L["cell_stride"]) for s, off in enumerate(L["inter_cells"][p])]
-        regions += [(f"zone{p}{s}", off, L["zone_bytes"]) for s, off in enumerate(L["zones"][p])]
-        regions.append((f"staging{p}", L["staging"][p], L["staging_bytes"]))
-        regions.append((f"result{p}", L["result"][p], L["zone_bytes"]))
-    regions.append(("pool", L["pool_off"], L["pool_bytes"]))
-    regions.sort(key=lambda x: x[1])
+@pytest.mark.parametrize("G,N,B,ll", [(1, 1, 1, 0), (2, 1, 1, 0), (8, 1, 1, 0), (1, 17, 1, 0), (4, 5, 1, 0),
+                                      (8, 17, 1, 0), (2, 3, 4, 65536), (4, 5, 8, 4096), (1, 2, 16, 32768)])
+def test_segment_layout_regions_disjoint(G, N, B, ll):
+    max_bytes = 1 << 20
+    L = _C.segment_layout(G, N, max_bytes, 64 << 10, 1 << 20, 64, B, ll)
+    regions = sorted(L["regions"], key=lambda r: r[1])
     assert regions[0][1] >= 4096  # page 0 is the header
     for (n1, o1, s1), (n2, o2, s2) in zip(regions, regions[1:]):
         assert o1 + s1 <= o2, f"{n1} overlaps {n2}"
     assert regions[-1][1] + regions[-1][2] <= L["total_bytes"]
-    assert L["staging_bytes"] >= 1 << 20
-    # a shard of a max_bytes chunk fits a zone
-    assert L["zone_bytes"] >= -(-(1 << 20) // G) + 16
+    assert L["staging_bytes"] >= max_bytes
+    # every slice's shard of a max_bytes chunk fits its zone slice, and LL shards their LL zone
+    for b in range(B):
+        slice_elems = _C.shard_range(max_bytes // 2, 2, B, b)
+        n = slice_elems[1] - slice_elems[0]
+        for g in range(G):
+            lo, hi = _C.shard_range(n, 2, G, g)
+            assert (hi - lo) * 2 <= L["zone_slice_bytes"]
+    assert L["ll_slice_bytes"] >= (ll // 4 + (ll % 4 > 0)) * 8
+    assert L["oneshot_chunk_bytes"] >= min(64 << 10, max_bytes) - 64 * B * 2

@@ -91,7 +91,7 @@ std::pair<uint64_t, char> proc_stat(int64_t pid) {
 
 uint64_t config_hash(const CpuConfig& c, const SegmentLayout& L) {
   uint64_t fields[] = {kVersion, static_cast<uint64_t>(c.world), static_cast<uint64_t>(c.ranks_per_node),
-                       c.max_bytes, c.oneshot_max_bytes, L.total_bytes, L.pool_bytes, L.zone_bytes};
+                       c.max_bytes, c.oneshot_max_bytes, L.total_bytes, L.pool_bytes, L.zone_bytes, c.ll_max_bytes};
   uint64_t h = 1469598103934665603ull;
   for (uint64_t v : fields) {
     h ^= v;
@@ -114,7 +114,7 @@ CpuConfig checked(CpuConfig c) {
 
 SegmentLayout make_layout(const CpuConfig& c) {
   return SegmentLayout::make(c.ranks_per_node, c.world / c.ranks_per_node, c.max_bytes, c.oneshot_max_bytes,
-                             c.pool_bytes, kCellStride);
+                             c.pool_bytes, kCellStride, 1, c.world > c.ranks_per_node ? c.ll_max_bytes : 0);
 }
 
 }  // namespace
@@ -151,7 +151,7 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   peer_pid_.resize(static_cast<size_t>(cfg_.world));
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
-  round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes};
+  round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes};
 }
 
 void CpuExecutor::enable_cma(bool on) {
@@ -276,6 +276,28 @@ struct CpuTransport {
     ex->signal(rank, cell, word, 0, 0);
     return true;
   }
+  // LL packets go straight into the peer's LL zone, one 8-byte atomic store each.
+  bool put_ll(int rank, size_t dst_off, size_t /*out_off*/, const char* src, size_t bytes, uint32_t flag) {
+    auto* pk = reinterpret_cast<uint64_t*>(base(rank) + dst_off);
+    const size_t n = ll_packets(bytes);
+    for (size_t i = 0; i < n; ++i) {
+      store_relaxed(&pk[i], ll_make_packet(src, bytes, i, flag));
+      if ((i & 255) == 255) ex->jitter();
+    }
+    return true;
+  }
+  bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
+    ex->wait_ll(off, bytes, e, sig, CpuExecutor::Site{Phase::kInterNode, step, peer});
+    return true;
+  }
+  void ll_unpack(char* dst, size_t off, size_t bytes) {
+    auto* pk = reinterpret_cast<uint64_t*>(my() + off);
+    const size_t n = ll_packets(bytes);
+    for (size_t i = 0; i < n; ++i) {
+      ll_store_payload(dst, bytes, i, load_relaxed(&pk[i]));
+      store_relaxed(&pk[i], 0);  // NOTE [LL zones]
+    }
+  }
   void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) const {
     fn(reinterpret_cast<void* const*>(dst), nd, reinterpret_cast<const void* const*>(src), ns, n, sc);
   }
@@ -352,43 +374,46 @@ void CpuExecutor::cma_transfer(bool write, int peer, void* local, uint64_t remot
   }
 }
 
+template <typename Ready, typename Observed>
+void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch) {
+  if (ready()) return;
+  auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto deadline =
+      start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(cfg_.timeout_s));
+  auto next_liveness = start + kLivenessPeriod;
+  for (uint64_t it = 0;; ++it) {
+    if (ready()) return;
+    if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+    if (it < spin_iters_) {
+      cpu_relax();
+      continue;
+    }
+    const auto now = clock::now();
+    if (now >= deadline) {
+      std::ostringstream os;
+      os << "timed out after " << cfg_.timeout_s << " s";
+      fail(ProtocolError::Kind::kTimeout, os.str(), site, epoch, observed());
+    }
+    if (now >= next_liveness) {
+      if (!peer_alive(site.peer)) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
+      next_liveness = now + kLivenessPeriod;
+    }
+    if (now - start < kYieldPhase) {
+      sched_yield();
+    } else {
+      struct timespec ts = {0, kSleepNs};
+      nanosleep(&ts, nullptr);
+    }
+  }
+}
+
 std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site) {
   auto* c = reinterpret_cast<Cell*>(heap_.mine() + cell_off);
   const uint64_t target = flag_word(epoch, 0);
-  uint64_t w = load_acquire(&c->word);
-  if (w < target) {
-    auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
-    const auto deadline = start + std::chrono::duration_cast<clock::duration>(
-                                      std::chrono::duration<double>(cfg_.timeout_s));
-    auto next_liveness = start + kLivenessPeriod;
-    for (uint64_t it = 0;; ++it) {
-      w = load_acquire(&c->word);
-      if (w >= target) break;
-      if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
-      if (it < spin_iters_) {
-        cpu_relax();
-        continue;
-      }
-      const auto now = clock::now();
-      if (now >= deadline) {
-        std::ostringstream os;
-        os << "timed out after " << cfg_.timeout_s << " s";
-        fail(ProtocolError::Kind::kTimeout, os.str(), site, epoch, flag_epoch(w));
-      }
-      if (now >= next_liveness) {
-        if (!peer_alive(site.peer)) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, flag_epoch(w));
-        next_liveness = now + kLivenessPeriod;
-      }
-      if (now - start < kYieldPhase) {
-        sched_yield();
-      } else {
-        struct timespec ts = {0, kSleepNs};
-        nanosleep(&ts, nullptr);
-      }
-    }
-  }
+  uint64_t w = 0;
+  spin_until([&] { return (w = load_acquire(&c->word)) >= target; }, [&] { return flag_epoch(w); }, site, epoch);
   if (flag_epoch(w) != epoch)
     fail(ProtocolError::Kind::kViolation, "protocol violation: a flag arrived from a later round", site, epoch,
          flag_epoch(w));
@@ -399,6 +424,23 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
     fail(ProtocolError::Kind::kMismatch, os.str(), site, epoch, flag_epoch(w));
   }
   return {load_relaxed(&c->aux0), load_relaxed(&c->aux1)};
+}
+
+void CpuExecutor::wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig, const Site& site) {
+  const uint32_t flag = ll_flag(epoch, sig);
+  const auto* pk = reinterpret_cast<const uint64_t*>(heap_.mine() + off);
+  const size_t n = ll_packets(bytes);
+  for (size_t i = 0; i < n; ++i) {
+    int state = 0;
+    spin_until([&] { return (state = ll_packet_state(load_acquire(&pk[i]), flag)) != 0; },
+               [&] { return static_cast<uint64_t>(ll_packet_flag(load_relaxed(&pk[i])) >> kSigBits); }, site, epoch);
+    if (state < 0) {
+      std::ostringstream os;
+      os << "call mismatch (LL packet signature): rank " << cfg_.rank << " called " << describe_call(cfg_.rank)
+         << " but rank " << site.peer << " called " << describe_call(site.peer);
+      fail(ProtocolError::Kind::kMismatch, os.str(), site, epoch, epoch);
+    }
+  }
 }
 
 std::string CpuExecutor::describe_call(int rank) const {

@@ -44,6 +44,7 @@ struct CpuConfig {
   bool cma = true;                            // allow cross-memory writes into peers' private outputs
   size_t cma_min_bytes = size_t{8} << 10;     // smallest shard (bytes) moved by cross-memory reads/writes
   size_t cma_piece_bytes = size_t{256} << 10; // cross-memory transfers go piece by piece, this large (bytes)
+  size_t ll_max_bytes = 0;                    // inter-node shards up to this size go as LL packets (bytes)
 };
 
 class CpuExecutor {
@@ -92,6 +93,12 @@ class CpuExecutor {
   void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1 = 0);
   // Waits for the flag of round `epoch`; returns its aux words.
   std::pair<uint64_t, uint64_t> wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site);
+  // Waits until every LL packet of `bytes` payload at my `off` carries this round's flag.
+  void wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig, const Site& site);
+  // Polls `ready` (true: done) under the deadline, the abort cell and the peer's liveness;
+  // `observed` names what was seen, for the timeout message.
+  template <typename Ready, typename Observed>
+  void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch);
   void cma_write(int peer, const void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   void cma_read(int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   void cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);

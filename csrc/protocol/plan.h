@@ -32,6 +32,8 @@ namespace nvrar {
 //   zone[p][s]   landing zone of inter-node step s, written by exactly one remote partner per round
 //                (put), then combined in place by me; read by my next send and, when it holds my
 //                final shard, by local peers in the all-gather.
+//   llzone[p][s] the same for small shards sent as LL packets (protocol/ll.h); the payload is
+//                unpacked into zone[p][s] and the packets zeroed (NOTE [LL zones], round.h).
 //   user data    a zero-copy input living in my pool (Communicator.empty), or (CPU, cross-memory
 //                access) my private input: read by local peers in the reduce phase, shard h by
 //                peer h; written (in place) by me and by the peers' pushes in the all-gather.
@@ -284,6 +286,9 @@ struct SegmentLayout {
   size_t staging_off;      // staging[p] at staging_off + p * staging_bytes (slices at their chunk offsets)
   size_t result_off;       // result[p][b] at result_off + (p * B + b) * zone_slice_bytes
   size_t zones_off;        // zone[p][s][b] at zones_off + ((p * S + s) * B + b) * zone_slice_bytes
+  size_t ll_slice_bytes;   // one slice's LL zone (packets of the largest LL shard; 0: LL off)
+  size_t llzones_off;      // llzone[p][s][b]: LL packets from the partner (protocol/ll.h)
+  size_t llout_off;        // llout[p][s][b]: my packets, packed before the put (GPU)
   size_t pool_off;         // user pool (Communicator.empty)
   size_t pool_bytes;
   size_t total_bytes;
@@ -294,7 +299,7 @@ struct SegmentLayout {
   NVRAR_HD static Range slice_range(size_t n, int elem_size, int B, int b) { return shard_range(n, elem_size, B, b); }
 
   NVRAR_HD static SegmentLayout make(int G, int num_nodes, size_t max_bytes, size_t min_zone_bytes,
-                                     size_t pool_bytes, size_t cell_stride, int B = 1) {
+                                     size_t pool_bytes, size_t cell_stride, int B = 1, size_t ll_max_bytes = 0) {
     SegmentLayout L;
     L.G = G;
     L.S = InterSchedule::num_slots_for(num_nodes);
@@ -314,7 +319,11 @@ struct SegmentLayout {
     L.zone_bytes = L.zone_slice_bytes * static_cast<size_t>(B);
     L.result_off = L.staging_off + 2 * L.staging_bytes;
     L.zones_off = align_up(L.result_off + 2 * L.zone_bytes, kPage);
-    L.pool_off = align_up(L.zones_off + 2 * static_cast<size_t>(L.S) * L.zone_bytes, kPage);
+    L.ll_slice_bytes = ll_max_bytes > 0 ? align_up(ceil_div(ll_max_bytes, 4) * 8, 256) : 0;
+    const size_t ll_region = 2 * static_cast<size_t>(L.S) * static_cast<size_t>(B) * L.ll_slice_bytes;
+    L.llzones_off = align_up(L.zones_off + 2 * static_cast<size_t>(L.S) * L.zone_bytes, kPage);
+    L.llout_off = align_up(L.llzones_off + ll_region, kPage);
+    L.pool_off = align_up(L.llout_off + ll_region, kPage);
     L.pool_bytes = align_up(pool_bytes, kPage);
     L.total_bytes = L.pool_off + L.pool_bytes;
     return L;
@@ -337,6 +346,12 @@ struct SegmentLayout {
   }
   NVRAR_HD size_t zone(int parity, int slot, int b = 0) const {
     return zones_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * zone_slice_bytes;
+  }
+  NVRAR_HD size_t llzone(int parity, int slot, int b = 0) const {
+    return llzones_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * ll_slice_bytes;
+  }
+  NVRAR_HD size_t llout(int parity, int slot, int b = 0) const {
+    return llout_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * ll_slice_bytes;
   }
   // Offset of the accumulator location `slot` as returned by InterSchedule (-1 = result slot).
   NVRAR_HD size_t acc_location(int parity, int slot, int b = 0) const {

@@ -11,6 +11,11 @@
 //   bool wait(cell, epoch, sig, Phase, step, peer, &aux0, &aux1)   deadline, abort and signature checks;
 //                                          false: the round failed (GPU); the CPU transport throws
 //   bool put_signal(rank, dst_off, src, bytes, cell, word)  inter-node put, then its flag
+//   bool put_ll(rank, dst_off, out_off, src, bytes, flag)  inter-node LL packets (protocol/ll.h) into
+//                                          the peer's LL zone at dst_off (packed at my out_off first)
+//   bool wait_ll(off, bytes, epoch, sig, step, peer)    until every LL packet at my `off` arrived
+//   void ll_unpack(char* dst, off, bytes)   the payload of the LL packets at my `off` to dst, then
+//                                          zero the packets (NOTE [LL zones])
 //   void reduce(char* const* dst, nd, const char* const* src, ns, n, Scale)   typed, in this group
 //   void copy(char* dst, const char* src, bytes)
 //   bool remote_read(rank, dst, addr, bytes, Phase, peer) / remote_write(...)   private memory of a
@@ -23,6 +28,7 @@
 #include <cstdint>
 
 #include "../common/hd.h"
+#include "ll.h"
 #include "phase.h"
 #include "plan.h"
 #include "types.h"
@@ -47,7 +53,21 @@ struct RoundConfig {
   bool cma;                  // cross-memory access to local peers' private memory (CPU)
   size_t cma_min_bytes;      // smallest shard worth a cross-memory transfer
   size_t cma_piece_bytes;    // cross-memory transfers go piece by piece
+  size_t ll_max_bytes;       // inter-node steps on shards up to this size use LL packets (0: never)
 };
+
+// Whether the inter-node steps of an n-byte shard use LL packets (small enough for the selector
+// and for the segment's LL zones).
+//
+// NOTE [LL zones]: LL packets land in LL zones, which nothing else ever writes, and the receiver
+// zeroes the packets as soon as it has unpacked them. So an LL zone only ever holds zeros or the
+// packets of the round in flight: a stale packet cannot be taken for a new one, whatever the
+// epoch bits of its flag (16 bits wrap), and data of the put-with-signal path (any bit pattern)
+// never sits where packets are read. The zeroing is safe: the partner writes this zone again only
+// in round e+2, after it finished e+1, which needed my data of e+1, sent after this round.
+NVRAR_HD bool use_ll(const RoundConfig& cfg, size_t bytes) {
+  return bytes <= cfg.ll_max_bytes && ll_wire_bytes(bytes) <= cfg.L.ll_slice_bytes;
+}
 
 // One slice of one chunk: an independent protocol instance with its own flags and slot parts.
 struct Slice {
@@ -61,6 +81,10 @@ struct Slice {
   bool out_pool;
 };
 
+// Inter-node recursive doubling of n elements among the ranks with my local index, starting
+// from the accumulator in my result slot. Put-with-signal: the partner's data lands in a zone and
+// is combined there in place. LL: the packets land in an LL zone and their payload is unpacked
+// into the zone. On success *final_off is where my final result lives.
 template <typename TP>
 NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t es, uint64_t e, uint32_t sig,
                                Scale sc, int b, size_t* final_off) {
@@ -71,31 +95,41 @@ NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t 
   const InterSchedule sched = InterSchedule::make(w.N, w.node);
   const Scale none = make_scale(RedOp::kSum, 1);
   const int last_exchange = sched.exchange_slot(sched.K - 1);
+  const size_t bytes = n * es;
+  const bool ll = use_ll(cfg, bytes);
   char* my = tp.my();
-  int loc = -1;  // accumulator: the result slot
+  size_t acc = L.result(p, b);  // where my accumulator lives
   for (int i = 0; i < sched.num_steps(); ++i) {
     const InterStep st = sched.step(i);
     const int peer = w.rank_of(st.partner, w.local);
+    const size_t zone = L.zone(p, st.slot, b);
     if (st.send) {
       tp.jitter();
-      if (!tp.put_signal(peer, L.zone(p, st.slot, b), my + L.acc_location(p, loc, b), n * es, L.inter_cell(p, st.slot, b),
-                         word))
-        return false;
+      const bool sent = ll ? tp.put_ll(peer, L.llzone(p, st.slot, b), L.llout(p, st.slot, b), my + acc, bytes,
+                                       ll_flag(e, sig))
+                           : tp.put_signal(peer, zone, my + acc, bytes, L.inter_cell(p, st.slot, b), word);
+      if (!sent) return false;
     }
     if (st.recv) {
-      uint64_t a0, a1;
-      if (!tp.wait(L.inter_cell(p, st.slot, b), e, sig, Phase::kInterNode, i, peer, &a0, &a1)) return false;
-      char* dst = my + L.zone(p, st.slot, b);
+      const size_t data = zone;
+      if (ll) {
+        if (!tp.wait_ll(L.llzone(p, st.slot, b), bytes, e, sig, i, peer)) return false;
+        tp.ll_unpack(my + data, L.llzone(p, st.slot, b), bytes);
+      } else {
+        uint64_t a0, a1;
+        if (!tp.wait(L.inter_cell(p, st.slot, b), e, sig, Phase::kInterNode, i, peer, &a0, &a1)) return false;
+      }
       if (st.combine) {
-        const char* acc = my + L.acc_location(p, loc, b);
-        const char* ops[2] = {st.mine_first ? acc : dst, st.mine_first ? dst : acc};
+        const char* mine = my + acc;
+        char* dst = my + data;
+        const char* ops[2] = {st.mine_first ? mine : dst, st.mine_first ? dst : mine};
         char* dsts[1] = {dst};
         tp.reduce(dsts, 1, ops, 2, n, st.slot == last_exchange ? sc : none);
       }
-      loc = st.slot;
+      acc = data;
     }
   }
-  *final_off = L.acc_location(p, loc, b);
+  *final_off = acc;
   return true;
 }
 

@@ -1,0 +1,64 @@
+// Low-latency (LL) packets for the inter-node steps on small shards: every 8-byte packet carries
+// 4 bytes of payload and a 32-bit flag, so a receiver knows data has arrived without a separate
+// signal (one network latency instead of two), at the cost of twice the bytes on the wire; the
+// selector therefore uses LL only for shards up to a small size and put-with-signal above it.
+//
+// The flag is the low 32 bits of the round's flag word: 16 bits of epoch, 16 bits of call
+// signature. A packet left from round e-2 in the same parity slot has other epoch bits and is not
+// taken for new; equal epoch bits with another signature are a call mismatch. Relies on 8-byte
+// stores arriving whole (NVLink, InfiniBand; the CPU executor's aligned 64-bit stores).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "../common/hd.h"
+#include "plan.h"
+
+namespace nvrar {
+
+constexpr size_t kLLPayload = 4;  // payload bytes per 8-byte packet
+
+NVRAR_HD size_t ll_packets(size_t bytes) { return ceil_div(bytes, kLLPayload); }
+NVRAR_HD size_t ll_wire_bytes(size_t bytes) { return ll_packets(bytes) * 8; }
+NVRAR_HD uint32_t ll_flag(uint64_t epoch, uint32_t sig) { return static_cast<uint32_t>(flag_word(epoch, sig)); }
+
+// Packet i of a payload: bytes [4i, 4i + 4) (zero-padded past the end) with the flag on top.
+NVRAR_HD uint64_t ll_make_packet(const char* payload, size_t bytes, size_t i, uint32_t flag) {
+  uint32_t data = 0;
+  const size_t off = i * kLLPayload;
+  if (off + kLLPayload <= bytes) {
+#if NVRAR_ON_DEVICE
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(payload + off);
+    data = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
+           (static_cast<uint32_t>(p[3]) << 24);
+#else
+    std::memcpy(&data, payload + off, kLLPayload);
+#endif
+  } else {
+    for (size_t k = 0; off + k < bytes; ++k)
+      data |= static_cast<uint32_t>(static_cast<unsigned char>(payload[off + k])) << (8 * k);
+  }
+  return (static_cast<uint64_t>(flag) << 32) | data;
+}
+
+NVRAR_HD uint32_t ll_packet_flag(uint64_t packet) { return static_cast<uint32_t>(packet >> 32); }
+
+// State of a packet for a receiver expecting `flag`: 1 arrived, 0 not yet (empty or older round),
+// -1 same round but another call signature (mismatch).
+NVRAR_HD int ll_packet_state(uint64_t packet, uint32_t flag) {
+  const uint32_t f = ll_packet_flag(packet);
+  if (f == flag) return 1;
+  if ((f >> kSigBits) == (flag >> kSigBits) && f != 0) return -1;
+  return 0;
+}
+
+// Payload bytes of packet i, written to dst (only the bytes inside `bytes`).
+NVRAR_HD void ll_store_payload(char* dst, size_t bytes, size_t i, uint64_t packet) {
+  const uint32_t data = static_cast<uint32_t>(packet);
+  const size_t off = i * kLLPayload;
+  for (size_t k = 0; k < kLLPayload && off + k < bytes; ++k) dst[off + k] = static_cast<char>((data >> (8 * k)) & 0xffu);
+}
+
+}  // namespace nvrar
