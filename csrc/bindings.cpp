@@ -18,51 +18,12 @@ namespace py = pybind11;
 using namespace nvrar;
 
 namespace nvrar {
-void register_cuda(py::module_& m);  // cuda/bindings_cuda.cpp, or the stub in cpu_only.cpp
+void register_error_translator();  // bindings_common.cpp
 }
-
-namespace {
-
-const char* kind_name(ProtocolError::Kind k) {
-  switch (k) {
-    case ProtocolError::Kind::kTimeout: return "timeout";
-    case ProtocolError::Kind::kMismatch: return "mismatch";
-    case ProtocolError::Kind::kPeerAbort: return "peer-abort";
-    case ProtocolError::Kind::kViolation: return "violation";
-  }
-  return "unknown";
-}
-
-// Raise the Python exception class `cls` of nvrar.errors with a message and keyword fields.
-void raise_python(const char* cls, const char* msg, const py::dict& fields) {
-  py::object type = py::module_::import("nvrar.errors").attr(cls);
-  py::object exc = type(msg, **fields);
-  PyErr_SetObject(type.ptr(), exc.ptr());
-}
-
-void translate(std::exception_ptr p) {
-  try {
-    if (p) std::rethrow_exception(p);
-  } catch (const ProtocolError& e) {
-    py::dict f;
-    f["rank"] = e.rank;
-    f["peer"] = e.peer;
-    f["phase"] = phase_name(e.phase);
-    f["step"] = e.step;
-    f["epoch"] = e.epoch;
-    f["observed"] = e.observed;
-    f["kind"] = kind_name(e.kind);
-    raise_python(e.is_timeout() ? "NvrarTimeoutError" : "NvrarError", e.what(), f);
-  } catch (const Error& e) {
-    raise_python("NvrarError", e.what(), py::dict());
-  }
-}
-
-}  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "nvrar native core (see nvrar/_C.pyi)";
-  py::register_exception_translator(&translate);
+  m.doc() = "nvrar native core: the CPU executor and the plan (see nvrar/_C.pyi)";
+  register_error_translator();
 
   py::class_<CpuExecutor>(m, "CpuExecutor")
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
@@ -218,6 +179,4 @@ PYBIND11_MODULE(_C, m) {
             make_scale(static_cast<RedOp>(op), world));
       },
       py::arg("dsts"), py::arg("srcs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("world") = 1);
-
-  register_cuda(m);
 }

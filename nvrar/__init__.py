@@ -16,7 +16,25 @@ __version__ = "0.1.0"
 
 
 def build_info() -> dict:
-    """What the native module was built with: {"cuda": bool, "nvshmem_version": str|None, "cuda_archs": [...], ...}."""
-    from . import _C
+    """What nvrar was built with and can use here:
 
-    return dict(_C.build_info())
+    ``{"cuda": bool, "nvshmem_version": str | None, "cuda_archs": [int], "cpu_executor": True,
+    "nvshmem_library_version": str | None, "gpus": int, "cuda_error": str | None}``.
+    "cuda" is true when the GPU executor was built and loads (with or without a GPU present);
+    "gpus" counts the CUDA devices it sees.
+    """
+    from . import _C  # noqa: F401 - the CPU executor is always there
+    from ._gpu import load
+
+    info = {"cuda": False, "nvshmem_version": None, "cuda_archs": [], "cpu_executor": True,
+            "nvshmem_library_version": None, "gpus": 0, "cuda_error": None}
+    mod, err = load()
+    if mod is None:
+        info["cuda_error"] = err
+        return info
+    info.update(mod.build_info())
+    info["nvshmem_library_version"] = mod.nvshmem_library_version()
+    info["gpus"], why = mod.device_count()
+    if not info["gpus"]:
+        info["cuda_error"] = f"no usable GPU: {why}"
+    return info

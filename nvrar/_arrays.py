@@ -13,7 +13,8 @@ import numpy as np
 __all__ = [
     "DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_BFLOAT16", "DTYPE_INT32",
     "OP_SUM", "OP_MAX", "OP_MIN", "OP_AVG",
-    "op_code", "numpy_dtype_code", "torch_dtype_code", "torch_tensor_type", "SUPPORTED",
+    "op_code", "numpy_dtype_code", "torch_dtype_code", "torch_tensor_type", "SUPPORTED", "is_cupy", "cupy_info",
+    "stream_handle",
 ]
 
 DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_INT32 = 0, 1, 2, 3
@@ -107,13 +108,42 @@ def numpy_info(x: np.ndarray, what: str) -> Tuple[int, int, int]:
     return _buffer_address(x), x.size, code
 
 
-def torch_info(x: Any, what: str) -> Tuple[int, int, int]:
+def torch_info(x: Any, what: str, device: str = "cpu", index: int = 0) -> Tuple[int, int, int]:
     code = torch_dtype_code(x.dtype)
     if code is None:
         raise unsupported_dtype(x, what)
-    if not x.is_cpu:
-        raise ValueError(f"all_reduce: {what} is on device {x.device}, but this communicator runs on the CPU")
+    if device == "cpu":
+        if not x.is_cpu:
+            raise ValueError(f"all_reduce: {what} is on device {x.device}, but this communicator runs on the CPU")
+    elif not x.is_cuda or x.device.index != index:
+        raise ValueError(f"all_reduce: {what} is on device {x.device}, but this communicator runs on cuda:{index}")
     if not x.is_contiguous():
         raise ValueError(f"all_reduce: {what} is not contiguous (shape {tuple(x.shape)}, strides {x.stride()}); "
                          "pass .contiguous()")
     return x.data_ptr(), x.numel(), code
+
+
+def is_cupy(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def cupy_info(x: Any, what: str, index: int) -> Tuple[int, int, int]:
+    code = _NUMPY_CODES.get(x.dtype)
+    if code is None:
+        raise unsupported_dtype(x, what)
+    if x.device.id != index:
+        raise ValueError(f"all_reduce: {what} is on cuda:{x.device.id}, but this communicator runs on cuda:{index}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"all_reduce: {what} is not C-contiguous; pass cupy.ascontiguousarray(...)")
+    return int(x.data.ptr), int(x.size), code
+
+
+def stream_handle(stream: Any) -> int:
+    """A cudaStream_t as an int, from a torch.cuda.Stream, a cupy Stream or an int."""
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError(f"stream must be a torch.cuda.Stream, a cupy Stream or an int, got {type(stream).__name__}")

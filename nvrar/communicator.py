@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
+import os
+import sys
 import math
 import socket
 import threading
@@ -23,8 +26,10 @@ from .errors import NvrarError
 
 __all__ = ["Communicator"]
 
-_DEFAULT_MAX_BYTES = 4 << 20
-_DEFAULT_HEAP_BYTES = 32 << 20
+# Per executor: the largest chunk of one round, and the zero-copy pool (bytes).
+_DEFAULT_MAX_BYTES = {"cpu": 4 << 20, "cuda": 16 << 20}
+_DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "cuda": 64 << 20}
+_log = logging.getLogger("nvrar")
 _POOL_ALIGN = 256  # bytes; every empty() block starts on this boundary
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
@@ -32,8 +37,10 @@ _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
+    # At exit, GPU communicators skip the collective release (nvshmem_free): a peer that already
+    # died would leave this process waiting in it; process teardown frees the memory anyway.
     for comm in list(_live):
-        comm.close()
+        comm.close(_collective=comm._device == "cpu")
 
 
 class _Block:
@@ -41,6 +48,27 @@ class _Block:
 
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class _CudaBlock:
+    """empty() on the GPU: a device allocation exposed through __cuda_array_interface__."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+def _cuda_device(rank: int, G: int, count: int) -> int:
+    """This rank's CUDA device: torch's current device when torch has set one up, else the
+    launcher's local rank (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK), else rank mod G."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value) % count
+    return (rank % G) % count
 
 
 class _PoolAllocator:
@@ -131,6 +159,8 @@ class Communicator:
         timeout: deadline in seconds of every wait (``NVRAR_TIMEOUT_S``, 60).
         heap_bytes: size of the zero-copy pool behind :meth:`empty` (``NVRAR_HEAP_BYTES``, 32 MiB).
         algo: "auto" (default, ``NVRAR_ALGO``), "one-shot" or "two-shot" for every call.
+        device: "cpu" (default: the shared-memory executor, ranks on one host) or "cuda" (the GPU
+            executor over NVSHMEM: torch CUDA tensors and cupy arrays, any number of nodes).
 
     Collective: every rank of the group must construct it, with the same settings.
     """
@@ -144,19 +174,21 @@ class Communicator:
         timeout: Optional[float] = None,
         heap_bytes: Optional[int] = None,
         algo: Optional[str] = None,
+        device: str = "cpu",
     ) -> None:
-        from . import _C
-
         self._ex: Any = None
         self._closed = False
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self._device = device
         timeout = float(timeout) if timeout is not None else (env.get_float("NVRAR_TIMEOUT_S") or 60.0)
         if not timeout > 0 or math.isinf(timeout) or math.isnan(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
         if max_bytes is None:
-            max_bytes = env.get_bytes("NVRAR_MAX_BYTES") or _DEFAULT_MAX_BYTES
+            max_bytes = env.get_bytes("NVRAR_MAX_BYTES") or _DEFAULT_MAX_BYTES[device]
         if heap_bytes is None:
             heap_bytes = env.get_bytes("NVRAR_HEAP_BYTES")
-            heap_bytes = _DEFAULT_HEAP_BYTES if heap_bytes is None else heap_bytes
+            heap_bytes = _DEFAULT_HEAP_BYTES[device] if heap_bytes is None else heap_bytes
         max_bytes, heap_bytes = int(max_bytes), int(heap_bytes)
         if max_bytes < 256:
             raise ValueError(f"max_bytes must be at least 256, got {max_bytes}")
@@ -179,29 +211,12 @@ class Communicator:
                 "heap_bytes": heap_bytes,
             }
             infos = [json.loads(b) for b in boot.allgather(json.dumps(mine).encode())]
-            G = self._agree(infos)
+            G = self._agree(infos, single_host=device == "cpu")
             self._G = G
-            oneshot = selector.oneshot_max_bytes("cpu", self._world, G)
-            jitter = env.get_float("NVRAR_JITTER_US") or 0.0
-            seed = env.get_int("NVRAR_JITTER_SEED") or 0
-            cma = env.get_int("NVRAR_CMA")
-            self._ex = _C.CpuExecutor(self._rank, self._world, G, max_bytes, heap_bytes, oneshot, timeout,
-                                      jitter, seed, cma != 0, selector.cma_min_bytes("cpu", G),
-                                      selector.cma_piece_bytes("cpu", G), selector.ll_max_bytes("cpu"))
-            names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
-            status = {"error": "", "cma": False}
-            try:
-                self._ex.attach(names)
-                status["cma"] = bool(self._ex.probe_cma())
-            except NvrarError as exc:
-                status["error"] = str(exc)
-            statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
-            self._ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
-            failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
-            if failed:
-                raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
-            # Cross-memory writes only if every rank can reach every other (all decide alike).
-            self._ex.enable_cma(all(s["cma"] for s in statuses))
+            if device == "cpu":
+                self._setup_cpu(boot, G, max_bytes, heap_bytes, timeout)
+            else:
+                self._setup_gpu(boot, G, max_bytes, heap_bytes, timeout)
         except BaseException:
             if self._ex is not None:
                 self._ex.close()
@@ -216,7 +231,58 @@ class Communicator:
         self._all_reduce = self._ex.all_reduce  # bound once: the per-call path stays short
         _live.add(self)
 
-    def _agree(self, infos: Sequence[dict]) -> int:
+    def _setup_cpu(self, boot: Any, G: int, max_bytes: int, heap_bytes: int, timeout: float) -> None:
+        from . import _C
+
+        oneshot = selector.oneshot_max_bytes("cpu", self._world, G)
+        jitter = env.get_float("NVRAR_JITTER_US") or 0.0
+        seed = env.get_int("NVRAR_JITTER_SEED") or 0
+        cma = env.get_int("NVRAR_CMA")
+        self._ex = _C.CpuExecutor(self._rank, self._world, G, max_bytes, heap_bytes, oneshot, timeout,
+                                  jitter, seed, cma != 0, selector.cma_min_bytes("cpu", G),
+                                  selector.cma_piece_bytes("cpu", G), selector.ll_max_bytes("cpu"))
+        names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
+        status = {"error": "", "cma": False}
+        try:
+            self._ex.attach(names)
+            status["cma"] = bool(self._ex.probe_cma())
+        except NvrarError as exc:
+            status["error"] = str(exc)
+        statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
+        self._ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
+        failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
+        if failed:
+            raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
+        # Cross-memory access only if every rank can reach every other (all decide alike).
+        self._ex.enable_cma(all(s["cma"] for s in statuses))
+
+    def _setup_gpu(self, boot: Any, G: int, max_bytes: int, heap_bytes: int, timeout: float) -> None:
+        from . import _gpu
+
+        # Everything that can fail locally is checked, and the verdicts exchanged, before the
+        # collective NVSHMEM setup: a rank must not leave the others waiting in it.
+        mod, err = _gpu.load()
+        status = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1}
+        if mod is not None:
+            n, why = mod.device_count()
+            if n == 0:
+                status["error"] = f"device='cuda' needs a CUDA device: {why}"
+            else:
+                status["device"] = _cuda_device(self._rank, G, n)
+        statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
+        failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
+        if failed:
+            raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
+        uid = boot.allgather(mod.unique_id() if self._rank == 0 else b"")[0]
+        launch = selector.gpu_launch("cuda", G)
+        self._cuda_device = status["device"]
+        self._ex = mod.GpuExecutor(self._rank, self._world, G, status["device"], max_bytes, heap_bytes,
+                                   selector.oneshot_max_bytes("cuda", self._world, G), selector.ll_max_bytes("cuda"),
+                                   timeout, launch["max_blocks"], launch["threads"], launch["block_bytes"], uid)
+        for line in mod.env_set_by_nvrar():
+            _log.info("nvrar: set %s (not set by the user)", line)
+
+    def _agree(self, infos: Sequence[dict], single_host: bool = True) -> int:
         """Ranks per node, identical on every rank (every rank evaluates the same list)."""
         W = len(infos)
         for key in ("requested", "max_bytes", "heap_bytes"):
@@ -225,10 +291,10 @@ class Communicator:
                 per_rank = ", ".join(f"rank {r}: {i[key]}" for r, i in enumerate(infos))
                 raise ValueError(f"Communicator: ranks disagree on {key} ({per_rank}); pass the same value everywhere")
         hosts = [i["host"] for i in infos]
-        if len(set(hosts)) > 1:
+        if single_host and len(set(hosts)) > 1:
             raise NvrarError(
                 "Communicator: the CPU executor needs every rank on one host (shared memory), but ranks run on "
-                f"{sorted(set(hosts))}; multi-node runs need the CUDA/NVSHMEM executor"
+                f"{sorted(set(hosts))}; multi-node runs need device='cuda'"
             )
         G = infos[0]["requested"]
         if G is None:
@@ -238,6 +304,12 @@ class Communicator:
                 G = W
         if G > W or W % G != 0:
             raise ValueError(f"ranks_per_node={G} must divide the world size {W}")
+        # Node-major numbering: the ranks of one (real) node must form whole emulated nodes.
+        for start in range(0, W, G):
+            if len(set(hosts[start:start + G])) > 1:
+                raise NvrarError(f"Communicator: ranks {start}..{start + G - 1} form one node but run on hosts "
+                                 f"{sorted(set(hosts[start:start + G]))}; number ranks node by node (rank = node * "
+                                 f"ranks_per_node + local rank)")
         return int(G)
 
     # -- properties ---------------------------------------------------------------------------
@@ -267,8 +339,12 @@ class Communicator:
 
     @property
     def backend(self) -> str:
-        """Executor in use: "cpu"."""
-        return "cpu"
+        """Executor in use: "cpu" or "cuda"."""
+        return self._device
+
+    @property
+    def device(self) -> str:
+        return self._device
 
     @property
     def bootstrap(self) -> str:
@@ -286,23 +362,33 @@ class Communicator:
         return {v: k for k, v in selector.VARIANTS.items()}[code]
 
     # -- the collective ------------------------------------------------------------------------
-    def all_reduce(self, x: Any, op: Any = "sum", out: Any = None, *, algo: Optional[str] = None) -> Any:
+    def all_reduce(self, x: Any, op: Any = "sum", out: Any = None, *, algo: Optional[str] = None,
+                   stream: Any = None) -> Any:
         """Reduce ``x`` over all ranks with ``op``; returns the result (``x``, or ``out``).
 
         Args:
-            x: a C-contiguous numpy array or torch CPU tensor of float32, float16, bfloat16 (torch)
-                or int32. Reduced in place when ``out`` is None.
+            x: CPU communicator: a C-contiguous numpy array or torch CPU tensor; device="cuda": a
+                contiguous torch CUDA tensor or cupy array on this rank's device. float32,
+                float16, bfloat16 (torch) or int32. Reduced in place when ``out`` is None.
             op: "sum", "max", "min", "avg" or a torch.distributed.ReduceOp. avg divides the sum by
                 the world size (int32: truncating).
             out: optional output of the same shape, dtype and kind as ``x``.
             algo: override the variant of this call ("one-shot", "two-shot", "auto").
+            stream: device="cuda" only: the stream to enqueue on (torch.cuda.Stream, cupy Stream
+                or a cudaStream_t as an int); default the current stream of ``x``'s library.
 
         Every rank must call with the same count, dtype, op and algo; a mismatch raises
-        NvrarError on the ranks involved. Results are bitwise identical on every rank.
+        NvrarError on the ranks involved. Results are bitwise identical on every rank. On the GPU
+        the call is asynchronous: a failure of the kernel (timeout, mismatch) raises at the next
+        call or in :meth:`check`.
         """
         ex = self._ex
         if ex is None:
             raise NvrarError("all_reduce: the communicator is closed")
+        if self._device == "cuda":
+            return self._all_reduce_cuda(x, op, out, algo, stream)
+        if stream is not None:
+            raise ValueError("all_reduce: stream= applies to device='cuda' communicators")
         if isinstance(x, np.ndarray):
             ptr, count, code = _arrays.numpy_info(x, "x")
             if out is None:
@@ -324,6 +410,53 @@ class Communicator:
         variant = self._variant if algo is None else selector.variant_code(algo)
         self._all_reduce(ptr, optr, count, code, opc, variant)
         return x if out is None else out
+
+    def _all_reduce_cuda(self, x: Any, op: Any, out: Any, algo: Optional[str], stream: Any) -> Any:
+        tensor = _arrays.torch_tensor_type()
+        if tensor is not None and isinstance(x, tensor):
+            ptr, count, code = _arrays.torch_info(x, "x", device="cuda", index=self._cuda_device)
+            optr = ptr if out is None else self._check_out_torch(x, out, ptr, count)
+            if stream is None:
+                import torch
+
+                stream = torch.cuda.current_stream(x.device)
+        elif _arrays.is_cupy(x):
+            ptr, count, code = _arrays.cupy_info(x, "x", self._cuda_device)
+            if out is None:
+                optr = ptr
+            else:
+                if not _arrays.is_cupy(out) or out.shape != x.shape or out.dtype != x.dtype:
+                    raise TypeError("all_reduce: out must be a cupy array of x's shape and dtype")
+                optr, _, _ = _arrays.cupy_info(out, "out", self._cuda_device)
+                self._overlap_check(ptr, optr, count * x.itemsize)
+            if stream is None:
+                import cupy
+
+                stream = cupy.cuda.get_current_stream()
+        else:
+            raise TypeError(f"all_reduce: a device='cuda' communicator takes torch CUDA tensors or cupy arrays, "
+                            f"got {type(x).__name__}")
+        try:
+            opc = _FAST_OPS[op]
+        except (KeyError, TypeError):
+            opc = _arrays.op_code(op)
+        variant = self._variant if algo is None else selector.variant_code(algo)
+        self._all_reduce(ptr, optr, count, code, opc, variant, _arrays.stream_handle(stream))
+        return x if out is None else out
+
+    def check(self, stream: Any = None) -> None:
+        """GPU: synchronize ``stream`` (default: the current torch stream, if torch is loaded)
+        and raise the failure a kernel recorded, if any. CPU: raise if the communicator failed."""
+        self._check_open()
+        if self._device == "cpu":
+            if self._ex.failed:
+                raise NvrarError(self._ex.failure)
+            return
+        if stream is None and "torch" in sys.modules:
+            import torch
+
+            stream = torch.cuda.current_stream(self._cuda_device)
+        self._ex.check(_arrays.stream_handle(stream) if stream is not None else 0)
 
     @staticmethod
     def _overlap_check(ptr: int, optr: int, nbytes: int) -> None:
@@ -351,7 +484,10 @@ class Communicator:
             raise ValueError(f"all_reduce: out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
         if out.dtype != x.dtype:
             raise TypeError(f"all_reduce: out has dtype {out.dtype} but x has dtype {x.dtype}")
-        optr, _, _ = _arrays.torch_info(out, "out")
+        if self._device == "cuda":
+            optr, _, _ = _arrays.torch_info(out, "out", device="cuda", index=self._cuda_device)
+        else:
+            optr, _, _ = _arrays.torch_info(out, "out")
         self._overlap_check(ptr, optr, count * x.element_size())
         return optr
 
@@ -375,8 +511,20 @@ class Communicator:
                 f"empty: the symmetric heap has no free block of {nbytes} bytes (pool {self._pool.size} bytes, "
                 f"largest free {self._pool.largest_free()}); pass heap_bytes= or set NVRAR_HEAP_BYTES"
             )
-        block = _Block(self._pool_base + off, nbytes)
         ex = self._ex
+        if self._device == "cuda":
+            block = _CudaBlock(self._pool_base + off, nbytes)
+            weakref.finalize(block, self._release_block, self._pool, off, nbytes, ex)
+            if kind == "numpy":  # a numpy dtype on a GPU communicator: a cupy array
+                import cupy
+
+                with cupy.cuda.Device(self._cuda_device):
+                    return cupy.asarray(block).view(dt).reshape(shape_t)
+            import torch
+
+            raw = torch.as_tensor(block, device=f"cuda:{self._cuda_device}")
+            return raw.view(dt).reshape(shape_t)
+        block = _Block(self._pool_base + off, nbytes)
         weakref.finalize(block, self._release_block, self._pool, off, nbytes, ex)
         raw = np.asarray(block)
         if kind == "numpy":
@@ -395,17 +543,23 @@ class Communicator:
         if self._ex is None:
             raise NvrarError("the communicator is closed")
 
-    def close(self) -> None:
+    def close(self, *, _collective: bool = True) -> None:
         """Release this rank's resources. Idempotent; also run at interpreter exit.
 
-        Memory from :meth:`empty` stays valid until its arrays are gone.
+        CPU: memory from :meth:`empty` stays valid until its arrays are gone. GPU: collective
+        (every rank must call it; it frees the symmetric memory, empty() buffers included).
         """
         if self._closed:
             return
         self._closed = True
         ex, self._ex = self._ex, None
         _live.discard(self)
-        if ex is not None and (getattr(self, "_pool", None) is None or self._pool.live == 0):
+        if ex is None:
+            return
+        if self._device == "cuda":
+            if _collective:
+                ex.close()
+        elif getattr(self, "_pool", None) is None or self._pool.live == 0:
             ex.close()
 
     def __enter__(self) -> "Communicator":
@@ -415,9 +569,9 @@ class Communicator:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"epoch {self._ex.epoch}"
+        state = "closed" if self._closed else ("open" if self._device == "cuda" else f"epoch {self._ex.epoch}")
         return (f"Communicator(rank={getattr(self, '_rank', '?')}, world_size={getattr(self, '_world', '?')}, "
-                f"ranks_per_node={getattr(self, '_G', '?')}, backend=cpu, {state})")
+                f"ranks_per_node={getattr(self, '_G', '?')}, backend={self._device}, {state})")
 
 
 _FAST_OPS = {"sum": _arrays.OP_SUM, "max": _arrays.OP_MAX, "min": _arrays.OP_MIN, "avg": _arrays.OP_AVG}

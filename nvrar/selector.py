@@ -14,7 +14,7 @@ from . import env
 
 __all__ = ["VARIANTS", "NATIVE", "Table", "select", "default_choice", "variant_code", "oneshot_max_bytes",
            "cma_min_bytes", "cma_piece_bytes",
-           "ll_max_bytes"]
+           "ll_max_bytes", "gpu_launch"]
 
 # Codes shared with csrc/cpu/executor.h (Variant).
 VARIANTS = {"auto": 0, "two-shot": 1, "one-shot": 2}
@@ -41,6 +41,12 @@ _CPU_ONESHOT_MAX = {1: 1 << 20, 2: 4 << 10}
 _CPU_ONESHOT_MAX_DEFAULT = 16 << 10
 
 
+# GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
+# synchronization. Untuned defaults (no GPU measurement yet; `nvrar tune` writes measured tables):
+# 256 KB up to 4 GPUs per node, 64 KB beyond.
+_GPU_ONESHOT_MAX_SMALL_G, _GPU_ONESHOT_MAX = 256 << 10, 64 << 10
+
+
 def oneshot_max_bytes(device: str, world_size: int, ranks_per_node: int) -> int:
     """Largest message (bytes) that the auto policy sends through the one-shot variant."""
     override = env.get_bytes("NVRAR_ONESHOT_MAX_BYTES")
@@ -48,7 +54,16 @@ def oneshot_max_bytes(device: str, world_size: int, ranks_per_node: int) -> int:
         return override
     if device == "cpu":
         return _CPU_ONESHOT_MAX.get(ranks_per_node, _CPU_ONESHOT_MAX_DEFAULT)
-    return _CPU_ONESHOT_MAX_DEFAULT
+    return _GPU_ONESHOT_MAX_SMALL_G if ranks_per_node <= 4 else _GPU_ONESHOT_MAX
+
+
+# GPU launch: one CUDA block (one slice, own flags) per 256 KB of message, at most 16 blocks of
+# 512 threads: small messages stay on one block (fewest flags), large ones spread over SMs.
+_GPU_LAUNCH = {"max_blocks": 16, "threads": 512, "block_bytes": 256 << 10}
+
+
+def gpu_launch(device: str, ranks_per_node: int) -> dict:
+    return dict(_GPU_LAUNCH)
 
 
 # Smallest shard (bytes) that the CPU executor moves by cross-memory reads and writes (a system

@@ -45,7 +45,9 @@ _native_all_reduce = dist.all_reduce
 
 class Work:
     """The handle returned with ``async_op=True``. On the CPU the all-reduce has completed when
-    the call returns; ``wait()`` is still required by the torch.distributed contract."""
+    the call returns; on the GPU it is enqueued on the current stream, which later work on that
+    stream is ordered after (as with NCCL after ``wait()``). ``wait()`` is still required by the
+    torch.distributed contract."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor = tensor
@@ -72,9 +74,9 @@ class _Group:
     def __init__(self, group: Any, device: str) -> None:
         self.group = group
         self.device = device
-        if device != "cpu":
-            raise NvrarError(f"nvrar.torch: tensors on {device} need the GPU executor, which this build does not have")
-        self.comm = Communicator(group=group)
+        if device not in ("cpu", "cuda"):
+            raise NvrarError(f"nvrar.torch: nvrar does not serve tensors on {device}")
+        self.comm = Communicator(group=group, device=device)
         self.world = self.comm.world_size
         self.G = self.comm.ranks_per_node
         self.table = self._agreed_table()

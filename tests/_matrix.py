@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 OPS = ("sum", "max", "min", "avg")
+DEVICE = "cpu"  # "cuda" for a GPU communicator: torch tensors on the current CUDA device
 ALGOS = ("one-shot", "two-shot")
 MODES = ("inplace", "out", "zc_inplace", "zc_out")
 
@@ -28,7 +29,7 @@ def _torch():
 
 def dtypes() -> List[Tuple[str, str, Any]]:
     """(kind, name, dtype) for every supported array kind and dtype."""
-    out: List[Tuple[str, str, Any]] = [
+    out: List[Tuple[str, str, Any]] = [] if DEVICE == "cuda" else [
         ("numpy", "float32", np.float32),
         ("numpy", "float16", np.float16),
         ("numpy", "int32", np.int32),
@@ -69,14 +70,15 @@ def to_kind(values: np.ndarray, kind: str, dtype: Any) -> Any:
     if kind == "numpy":
         return values.astype(dtype)
     torch = _torch()
-    return torch.from_numpy(np.ascontiguousarray(values.astype(np.float32 if dtype != torch.int32 else np.int32))).to(dtype)
+    t = torch.from_numpy(np.ascontiguousarray(values.astype(np.float32 if dtype != torch.int32 else np.int32))).to(dtype)
+    return t.to(DEVICE) if DEVICE != "cpu" else t
 
 
 def as_bytes(x: Any) -> bytes:
     if isinstance(x, np.ndarray):
         return x.tobytes()
     torch = _torch()
-    return x.contiguous().view(torch.uint8).numpy().tobytes() if x.numel() else b""
+    return x.contiguous().cpu().view(torch.uint8).numpy().tobytes() if x.numel() else b""
 
 
 def same(a: Any, b: Any) -> bool:
@@ -171,7 +173,13 @@ def run_random(comm: Any) -> Dict[str, Any]:
             ref = stack.sum(axis=0)
             scale = np.abs(stack).sum(axis=0)
             x = xs[comm.rank].copy()
-            comm.all_reduce(x, "sum", algo=algo)
+            if DEVICE == "cuda":
+                torch = _torch()
+                t = torch.from_numpy(x).to(DEVICE)
+                comm.all_reduce(t, "sum", algo=algo)
+                x = t.cpu().numpy()
+            else:
+                comm.all_reduce(x, "sum", algo=algo)
             worst = max(worst, float(np.max(np.abs(x - ref) / scale)))
             chk.record(f"random/{count}/{algo}", x, x)
     rep = chk.report()

@@ -139,7 +139,11 @@ TASKS = {"matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "bad
 
 def main() -> int:
     task, args, report_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    if task not in TASKS:
+    if task not in TASKS and task.startswith("gpu_"):
+        import _gpu_tasks
+
+        TASKS.update(_gpu_tasks.TASKS)
+    elif task not in TASKS:
         import _torch_tasks
 
         TASKS.update(_torch_tasks.TASKS)

@@ -94,3 +94,13 @@ def test_bad_arguments_are_rejected(tmp_path):
     res = subprocess.run(bench_cmd() + ["--buffers", "weird"], capture_output=True, text=True, timeout=60,
                          env=clean_env(), cwd=tmp_path)
     assert res.returncode == 2 and "--buffers" in res.stderr
+
+
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    import nvrar
+
+    if nvrar.build_info()["gpus"]:
+        pytest.skip("a GPU is present: tests/gpu covers --device cuda")
+    res = subprocess.run(bench_cmd() + ["--device", "cuda"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(), cwd=tmp_path)
+    assert res.returncode == 2 and "--device cuda" in res.stderr, res.stderr

@@ -18,19 +18,6 @@
 
 namespace nvrar {
 
-// Algorithm variants; codes shared with Python (nvrar/selector.py). kAuto applies the
-// communicator's one-shot threshold.
-enum class Variant : int32_t { kAuto = 0, kTwoShot = 1, kOneShot = 2 };
-
-inline const char* variant_name(Variant v) {
-  switch (v) {
-    case Variant::kAuto: return "auto";
-    case Variant::kTwoShot: return "two-shot";
-    case Variant::kOneShot: return "one-shot";
-  }
-  return "?";
-}
-
 struct CpuConfig {
   int rank = 0;
   int world = 1;

@@ -101,6 +101,19 @@ namespace nvrar {
 // operand, higher node's operand) and both partners of an exchange evaluate the same expression;
 // fold-out copies a finished result. So every rank ends with the same bits.
 
+// Algorithm variants; codes shared with Python (nvrar/selector.py). kAuto applies the
+// communicator's one-shot threshold.
+enum class Variant : int32_t { kAuto = 0, kTwoShot = 1, kOneShot = 2 };
+
+NVRAR_HD const char* variant_name(Variant v) {
+  switch (v) {
+    case Variant::kAuto: return "auto";
+    case Variant::kTwoShot: return "two-shot";
+    case Variant::kOneShot: return "one-shot";
+  }
+  return "?";
+}
+
 constexpr int kAlignBytes = 16;       // shard bounds and chunk starts keep 16-byte alignment (GPU vector loads)
 constexpr int kSigBits = 16;          // low bits of a flag word: call signature
 constexpr uint64_t kSigMask = (uint64_t{1} << kSigBits) - 1;

@@ -32,6 +32,34 @@ struct GroupView {
 
 namespace detail {
 
+#if NVRAR_ON_DEVICE
+// 16-byte vector load/store where the address allows (slices and shards start 16-byte aligned
+// in aligned buffers), element by element otherwise. The bits are the same either way.
+template <int V, typename T>
+__device__ __forceinline__ void load_tile(T (&dst)[V], const T* p) {
+  if constexpr (sizeof(T) * V == 16) {
+    if ((reinterpret_cast<size_t>(p) & 15) == 0) {
+      const uint4 u = *reinterpret_cast<const uint4*>(p);
+      memcpy(dst, &u, 16);
+      return;
+    }
+  }
+  for (int w = 0; w < V; ++w) dst[w] = p[w];
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_tile(T* p, const T (&src)[V]) {
+  if constexpr (sizeof(T) * V == 16) {
+    if ((reinterpret_cast<size_t>(p) & 15) == 0) {
+      uint4 u;
+      memcpy(&u, src, 16);
+      *reinterpret_cast<uint4*>(p) = u;
+      return;
+    }
+  }
+  for (int w = 0; w < V; ++w) p[w] = src[w];
+}
+#endif
+
 // Reduce V consecutive elements at `off` (or `len` < V of them, for a tail): canonical source
 // order 0..nsrc-1, accumulation in acc_t<T>, optional avg scale, one rounding, then the same bits
 // stored to every destination.
@@ -40,6 +68,23 @@ NVRAR_HD void reduce_vec(T* const* dst, int ndst, const T* const* src, int nsrc,
                          Scale sc) {
   acc_t<T> acc[V];
   const size_t m = kFull ? static_cast<size_t>(V) : len;
+#if NVRAR_ON_DEVICE
+  if (kFull) {
+    T tile[V];
+    load_tile<V>(tile, src[0] + off);
+    for (int w = 0; w < V; ++w) acc[w] = load_acc(tile[w]);
+    for (int s = 1; s < nsrc; ++s) {
+      load_tile<V>(tile, src[s] + off);
+      for (int w = 0; w < V; ++w) acc[w] = op(acc[w], load_acc(tile[w]));
+    }
+    if (sc.active()) {
+      for (int w = 0; w < V; ++w) acc[w] = sc.apply(acc[w]);
+    }
+    for (int w = 0; w < V; ++w) tile[w] = store_acc<T>(acc[w]);
+    for (int d = 0; d < ndst; ++d) store_tile<V>(dst[d] + off, tile);
+    return;
+  }
+#endif
   {
     const T* p = src[0] + off;
     for (size_t w = 0; w < m; ++w) acc[w] = load_acc(p[w]);

@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nvrar buffers, comma list: ordinary arrays, and/or symmetric ones from "
                         "Communicator.empty() (zero-copy); default both")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the buffers live (default cpu)")
+    p.add_argument("--cuda-graph", action="store_true", help="GPU: time replays of a CUDA graph holding one call")
     p.add_argument("--launcher", choices=["auto", "mpirun", "local"], default="auto",
                    help="how a bare start launches its ranks (default: mpirun if available)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of every wait, seconds (default 120)")
@@ -72,6 +73,20 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     modes = [m.strip() for m in args.buffers.split(",") if m.strip()]
     if not modes or any(m not in ("ordinary", "symmetric") for m in modes):
         p.error(f"--buffers takes ordinary and/or symmetric, got {args.buffers!r}")
+    if args.cuda_graph and args.device != "cuda":
+        p.error("--cuda-graph needs --device cuda")
+    if args.device == "cuda":
+        from .. import build_info
+
+        info = build_info()
+        if not info["cuda"] or not info["gpus"]:
+            p.error(f"--device cuda: {info['cuda_error']}")
+        try:
+            import torch
+        except ImportError:
+            p.error("--device cuda needs torch (CUDA tensors, the NCCL peer)")
+        if not torch.cuda.is_available():
+            p.error("--device cuda: this torch build sees no CUDA device (a CPU-only torch?)")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -99,13 +99,21 @@ class NvrarBackend(_HostArrays):
         self.symmetric = symmetric  # buffers from comm.empty(): zero-copy input and output
         self.buffers = "symmetric" if symmetric else "ordinary"
         self._algo = None if algorithm == "auto" else algorithm
-        self._device = "cpu"
+        self.device = comm.device
 
     @property
     def label(self) -> str:
         return f"{self.name}/{self.algorithm}" + ("/sym" if self.symmetric else "")
 
     def alloc(self, count: int, dtype: str) -> Any:
+        if self.device == "cuda":
+            import torch
+
+            if self.symmetric:
+                buf = self.comm.empty(count, torch_dtype(dtype))
+                buf.zero_()
+                return buf
+            return torch.zeros(count, dtype=torch_dtype(dtype), device=f"cuda:{torch.cuda.current_device()}")
         if not self.symmetric:
             return super().alloc(count, dtype)
         npd = DTYPES[dtype][0]
@@ -113,8 +121,23 @@ class NvrarBackend(_HostArrays):
         buf[...] = 0
         return buf
 
+    def fill(self, buf: Any, values: np.ndarray) -> None:
+        if self.device == "cuda":
+            import torch
+
+            buf.copy_(torch.from_numpy(values.astype(np.float32)).to(buf.dtype))
+        else:
+            super().fill(buf, values)
+
     def call(self, buf: Any, op: str) -> None:
         self.comm.all_reduce(buf, op, algo=self._algo)
+
+    def synchronize(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+            self.comm.check()
 
 
 class MPIBackend(_HostArrays):
@@ -203,21 +226,58 @@ class NCCLBackend(_TorchDist):
 
 
 class NvshmemBackend(Backend):
-    """NVSHMEM's team all-reduce through nvshmem4py, on the node-spanning world team."""
+    """NVSHMEM's own all-reduce (nvshmemx_<type>_<op>_reduce_on_stream on the world team) on
+    symmetric buffers, in the NVSHMEM instance that nvrar's GPU communicator initialized."""
 
     name = "nvshmem"
-    algorithm = "nvshmem4py"
+    algorithm = "reduce_on_stream"
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, comm: Any = None, shared_gpu: bool = False) -> None:
+        self.comm = comm
         if device != "cuda":
             self.skip_reason = "needs a GPU"
             return
-        try:
-            import nvshmem.core  # noqa: F401
-        except Exception as exc:  # not installed, or no usable GPU
-            self.skip_reason = f"nvshmem4py not usable ({type(exc).__name__}: {exc})"
+        from .._gpu import load
+
+        mod, err = load()
+        if mod is None:
+            self.skip_reason = err
             return
-        self.skip_reason = "nvshmem4py reduction is wired up by the GPU executor (issue 4)"
+        self._mod = mod
+        status = mod.nvshmem_init_status()
+        if status == 3:  # NVSHMEM_STATUS_LIMITED_MPG
+            self.skip_reason = ("several ranks share a GPU without MPS: NVSHMEM forbids its collectives there "
+                                "(start nvidia-cuda-mps-control -d to compare against them)")
+
+    def alloc(self, count: int, dtype: str) -> Any:
+        src = self.comm.empty(count, torch_dtype(dtype))
+        dst = self.comm.empty(count, torch_dtype(dtype))
+        src.zero_()
+        dst.zero_()
+        return (src, dst)
+
+    def fill(self, buf: Any, values: np.ndarray) -> None:
+        import torch
+
+        buf[0].copy_(torch.from_numpy(values.astype(np.float32)).to(buf[0].dtype))
+
+    def read(self, buf: Any) -> np.ndarray:
+        return buf[1].float().cpu().numpy().astype(np.float64)
+
+    def call(self, buf: Any, op: str) -> None:
+        import torch
+
+        src, dst = buf
+        self._mod.nvshmem_reduce(dst.data_ptr(), src.data_ptr(), src.numel(), _arrays.torch_dtype_code(src.dtype),
+                                 _arrays.op_code(op), torch.cuda.current_stream().cuda_stream)
+
+    def supports(self, dtype: str, op: str) -> Optional[str]:
+        return "NVSHMEM reductions have no avg" if op == "avg" else None
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def available_cpu_model() -> str:
@@ -231,6 +291,15 @@ def available_cpu_model() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def gpu_model() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    except Exception:
+        return "unknown GPU"
 
 
 def visible_gpus() -> int:

@@ -17,7 +17,7 @@ from ..bootstrap import SingleBootstrap, mpi_launched
 from ..communicator import Communicator
 from . import report
 from .backends import (DTYPES, Backend, GlooBackend, MPIBackend, NCCLBackend, NvrarBackend, NvshmemBackend,
-                       available_cpu_model, cpu_count)
+                       available_cpu_model, cpu_count, gpu_model)
 
 __all__ = ["run_rank", "sizes_between"]
 
@@ -54,17 +54,37 @@ def expected(world: int, count: int, op: str, dtype: str) -> np.ndarray:
 
 
 class Control:
-    """The benchmark's own coordination (barrier, per-iteration max, verdicts), on a separate nvrar
-    communicator so that it needs nothing beyond nvrar."""
+    """The benchmark's own coordination (barrier, per-iteration max, verdicts): on CPU runs a
+    separate nvrar CPU communicator, so that it needs nothing beyond nvrar; on GPU runs (several
+    hosts) torch.distributed's gloo group."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Optional[Communicator]) -> None:
         self.comm = comm
 
     def barrier(self) -> None:
-        self.comm.all_reduce(np.zeros(1, np.int32))
+        if self.comm is None:
+            import torch.distributed as dist
+
+            dist.barrier()
+        else:
+            self.comm.all_reduce(np.zeros(1, np.int32))
 
     def max(self, values: np.ndarray) -> np.ndarray:
+        if self.comm is None:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.from_numpy(np.ascontiguousarray(values))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.numpy()
         return self.comm.all_reduce(values, "max")
+
+    def gather(self, value: Any) -> List[Any]:
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
 
 
 def memcpy_gbps() -> float:
@@ -140,16 +160,28 @@ def setup_torch_dist(device: str, want: bool) -> Optional[str]:
     return None
 
 
-def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str) -> np.ndarray:
-    """Per-iteration latency (us) on this rank."""
+def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str, graph: bool = False) -> np.ndarray:
+    """Per-iteration latency (us) on this rank. GPU: CUDA events around each call (or around each
+    replay of a CUDA graph holding one call)."""
     out = np.empty(iters, np.float32)
     if device == "cuda" and b.name in ("nccl", "nvshmem", "nvrar"):
         import torch
 
+        run = lambda: b.call(buf, op)  # noqa: E731
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                b.call(buf, op)  # warm-up outside the capture, as torch requires
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                b.call(buf, op)
+            run = g.replay
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         for i in range(iters):
             events[i][0].record()
-            b.call(buf, op)
+            run()
             events[i][1].record()
         torch.cuda.synchronize()
         for i, (s, e) in enumerate(events):
@@ -192,7 +224,7 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
                 b.call(buf, args.op)
             b.synchronize()
             ctl.barrier()
-            times.append(ctl.max(time_calls(b, buf, args.op, n, args.device)))
+            times.append(ctl.max(time_calls(b, buf, args.op, n, args.device, args.cuda_graph)))
     rows = []
     for b, buf, wrong, times in bufs:
         t = np.concatenate(times)
@@ -222,15 +254,34 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     """Run the sweep as one rank. Returns the exit code, or with ``collect`` the result rows on
     rank 0 (each with ``_world`` and ``_ranks_per_node``) and None on the other ranks."""
     names = [s.strip() for s in args.backends.split(",") if s.strip()]
-    want_torch = ("gloo" in names and args.device == "cpu") or ("nccl" in names and args.device == "cuda")
+    gpu = args.device == "cuda"
+    shared_gpu = False
+    if gpu:
+        # The GPU run needs torch: CUDA tensors, the NCCL peer and (across hosts) the control channel.
+        import torch
+
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID",
+                    os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))))
+        torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
+    want_torch = gpu or ("gloo" in names and not gpu)
     torch_skip = setup_torch_dist(args.device, want_torch)
+    if gpu and torch_skip:
+        raise SystemExit(f"nvrar-bench --device cuda needs torch.distributed: {torch_skip}")
+    # every symmetric buffer of one size at once: nvrar's symmetric rows, the NVSHMEM peer's two
     n_sym = ("symmetric" in args.buffers) * len([a for a in args.algos.split(",") if a.strip()])
-    heap = max(32 << 20, n_sym * (args.max_bytes + 4096) + (1 << 20))  # every symmetric buffer of one size
-    ctl_comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=1 << 16)
-    comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap)
+    n_sym += 2 if (gpu and "nvshmem" in names) else 0
+    heap = max(32 << 20, n_sym * (args.max_bytes + 4096) + (1 << 20))
+    ctl_comm = None if gpu else Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout,
+                                             heap_bytes=1 << 16)
+    comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap, device=args.device)
     ctl = Control(ctl_comm)
     rank, world = comm.rank, comm.world_size
     out = sys.stdout if rank == 0 else None
+    if gpu:
+        import torch
+
+        places = ctl.gather((socket.gethostname(), torch.cuda.current_device()))
+        shared_gpu = len(set(places)) < len(places)
 
     backends: List[Backend] = []
     skipped: Dict[str, str] = {}
@@ -243,9 +294,14 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     if "gloo" in names:
         backends.append(GlooBackend(None, torch_skip) if args.device == "cpu" else _skip("gloo", "CPU peer"))
     if "nccl" in names:
-        backends.append(NCCLBackend(None, torch_skip) if args.device == "cuda" else _skip("nccl", "needs a GPU (--device cuda)"))
+        if not gpu:
+            backends.append(_skip("nccl", "needs a GPU (--device cuda)"))
+        elif shared_gpu:
+            backends.append(_skip("nccl", "several ranks share a GPU, which NCCL does not allow"))
+        else:
+            backends.append(NCCLBackend(None, torch_skip))
     if "nvshmem" in names:
-        backends.append(NvshmemBackend(args.device))
+        backends.append(NvshmemBackend(args.device, comm if gpu else None, shared_gpu))
     for b in backends:
         if b.skip_reason:
             skipped[b.name] = b.skip_reason
@@ -257,12 +313,14 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         "ranks_per_node": comm.ranks_per_node,
         "num_nodes": comm.num_nodes,
         "device": args.device,
-        "hardware": f"{available_cpu_model()} ({cpu_count()} cores)",
+        "hardware": (f"{gpu_model()} ({'GPUs shared by several ranks' if shared_gpu else 'one GPU per rank'})"
+                     if gpu else f"{available_cpu_model()} ({cpu_count()} cores)"),
         "dtype": args.dtype,
         "op": args.op,
         "iters": args.iters,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "cuda_graph": bool(args.cuda_graph),
         "launcher": launcher,
         "bootstrap": comm.bootstrap,
         "buffers": args.buffers,
@@ -272,7 +330,7 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         "skipped": skipped,
     }
     ctl.barrier()
-    meta["memcpy_gbps"] = memcpy_gbps() if rank == 0 else 0.0
+    meta["memcpy_gbps"] = memcpy_gbps() if rank == 0 else 0.0  # the host's; GPU runs compare peers only
     meta["call_overhead_us"] = call_overhead_us() if rank == 0 else 0.0
     ctl.barrier()
     meta["versions"] = versions(backends)
@@ -307,7 +365,8 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         out.flush()
     ctl.barrier()
     comm.close()
-    ctl_comm.close()
+    if ctl_comm is not None:
+        ctl_comm.close()
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -1,0 +1,86 @@
+// nvrar._cuda: the GPU executor's module definition (host compiler only; see gpu_api.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "../common/error.h"
+#include "gpu_api.h"
+
+namespace py = pybind11;
+using namespace nvrar;
+
+namespace nvrar {
+void register_error_translator();  // ../bindings_common.cpp
+}
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "nvrar GPU executor (CUDA kernels over NVSHMEM); see nvrar/_cuda.pyi";
+  register_error_translator();
+
+  m.def("build_info", []() {
+    py::dict d;
+    d["cuda"] = true;
+    d["nvshmem_version"] = gpu::nvshmem_header_version();
+    d["cuda_archs"] = gpu::cuda_archs();
+    return d;
+  });
+  m.def("nvshmem_library_version", &gpu::nvshmem_library_version);
+  m.def("device_count", []() {
+    std::string why;
+    const int n = gpu::device_count(&why);
+    return py::make_tuple(n, why);
+  });
+  m.def("unique_id", []() { return py::bytes(gpu::unique_id()); });
+  m.def("env_set_by_nvrar", &gpu::env_set_by_nvrar);
+  m.def("nvshmem_init_status", &gpu::nvshmem_init_status);
+  m.def(
+      "nvshmem_reduce",
+      [](uintptr_t dst, uintptr_t src, size_t count, int dtype, int op, uintptr_t stream) {
+        gpu::nvshmem_reduce(dst, src, count, static_cast<DType>(dtype), static_cast<RedOp>(op), stream);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+
+  py::class_<gpu::GpuExecutor>(m, "GpuExecutor")
+      .def(py::init([](int rank, int world, int ranks_per_node, int device, size_t max_bytes, size_t pool_bytes,
+                       size_t oneshot_max_bytes, size_t ll_max_bytes, double timeout_s, int max_blocks, int threads,
+                       size_t block_bytes, py::bytes uid) {
+             gpu::GpuConfig c;
+             c.rank = rank;
+             c.world = world;
+             c.ranks_per_node = ranks_per_node;
+             c.device = device;
+             c.max_bytes = max_bytes;
+             c.pool_bytes = pool_bytes;
+             c.oneshot_max_bytes = oneshot_max_bytes;
+             c.ll_max_bytes = ll_max_bytes;
+             c.timeout_s = timeout_s;
+             c.max_blocks = max_blocks;
+             c.threads = threads;
+             c.block_bytes = block_bytes;
+             std::string id = uid;
+             py::gil_scoped_release release;  // collective: the other ranks need the GIL-free time
+             return new gpu::GpuExecutor(c, id);
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("device"), py::arg("max_bytes"),
+           py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("ll_max_bytes"), py::arg("timeout_s"),
+           py::arg("max_blocks"), py::arg("threads"), py::arg("block_bytes"), py::arg("uid"))
+      .def(
+          "all_reduce",
+          [](gpu::GpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int variant,
+             uintptr_t stream) {
+            ex.all_reduce(in, out, count, static_cast<DType>(dtype), static_cast<RedOp>(op),
+                          static_cast<Variant>(variant), stream);
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+          py::arg("variant"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("check", &gpu::GpuExecutor::check, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("resolve",
+           [](const gpu::GpuExecutor& ex, int variant, size_t bytes) {
+             return static_cast<int>(ex.resolve(static_cast<Variant>(variant), bytes));
+           })
+      .def_property_readonly("epoch", &gpu::GpuExecutor::epoch)
+      .def_property_readonly("pool_address", &gpu::GpuExecutor::pool_address)
+      .def_property_readonly("pool_bytes", &gpu::GpuExecutor::pool_bytes)
+      .def_property_readonly("max_bytes", [](const gpu::GpuExecutor& ex) { return ex.config().max_bytes; })
+      .def("close", &gpu::GpuExecutor::close, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,326 @@
+// Device side of the GPU executor: memory-order helpers, the error record, the kernel parameters
+// and the NVSHMEM transport that runs protocol/round.h inside one CUDA block per slice.
+// NOTE [epoch protocol] (protocol/plan.h) holds for every slice; NOTE [gpu deadlines] below.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdint>
+
+#include "../protocol/ll.h"
+#include "../protocol/phase.h"
+#include "../protocol/plan.h"
+#include "../protocol/round.h"
+#include "../protocol/slice.h"
+#include "../protocol/types.h"
+
+namespace nvrar {
+namespace gpu {
+
+// Largest ranks per node the kernel's shared workspace holds (an NVL72 domain fits).
+constexpr int kMaxLocal = 72;
+
+// ProtocolError::Kind values (common/error.h), as the device records them.
+using ProtocolErrorKindCode = unsigned;
+constexpr ProtocolErrorKindCode kTimeoutCode = 1, kMismatchCode = 2, kPeerAbortCode = 3, kViolationCode = 4;
+
+// NOTE [gpu deadlines]: every wait polls with %globaltimer (nanoseconds, not clock cycles) against
+// the communicator's timeout, and checks this rank's abort cell. On expiry, mismatch or abort the
+// block records what happened in host-mapped memory (first failure wins), stores an abort record
+// into every rank's abort cell (local peers by load/store, remote ones by an NVSHMEM signal), and
+// returns: the kernel ends, nothing continues with wrong data, and the host raises at its next
+// call or check(). Release builds keep all of this.
+struct ErrorRecord {
+  unsigned long long code;  // 0: no failure; else the ProtocolError::Kind
+  uint32_t phase;
+  int32_t peer;
+  int32_t step;
+  int32_t origin;           // for an abort: the rank that failed first
+  unsigned long long epoch;
+  unsigned long long observed;
+};
+
+// Device-resident state of a communicator: the epoch only increases and is advanced by the
+// kernel itself, so a CUDA graph that replays the kernel stays in step with its peers.
+struct DeviceState {
+  unsigned long long epoch;
+  unsigned int done;  // blocks of the current kernel that finished
+};
+
+struct KernelParams {
+  const char* in;
+  char* out;
+  size_t count;
+  size_t chunk_elems;
+  int es;
+  int variant;  // Variant, resolved
+  uint32_t sig;
+  Scale sc;
+  bool in_pool;
+  bool out_pool;
+  RoundConfig cfg;
+  char* my;             // my segment (symmetric address)
+  char* const* peers;   // [G]: load/store view of every local rank's segment (nvshmem_ptr)
+  DeviceState* state;
+  ErrorRecord* err;     // host-mapped
+  unsigned long long timeout_ns;
+};
+
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Per-block workspace of protocol/round.h, in shared memory.
+struct SharedWs {
+  const char* srcs[kMaxLocal];
+  const char* piece_srcs[kMaxLocal];
+  char* dsts[kMaxLocal + 1];
+  char* piece_dsts[kMaxLocal + 1];
+  uint64_t peer_out[kMaxLocal];
+  uint64_t src_remote[kMaxLocal];
+  uint64_t aux0;
+  uint64_t aux1;
+  int ok;
+};
+
+// The Transport concept of protocol/round.h for one CUDA block. T, Op: the element type and
+// reduction of this kernel instance.
+template <typename T, typename Op>
+struct GpuTransport {
+  const KernelParams& kp;
+  SharedWs& sh;
+
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
+
+  __device__ char* my() const { return kp.my; }
+  __device__ char* base(int rank) const { return kp.peers[rank - kp.cfg.where.node * kp.cfg.where.G]; }
+  __device__ bool leader() const { return threadIdx.x == 0; }
+  __device__ void sync() const { __syncthreads(); }
+
+  __device__ void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
+    __syncthreads();  // the block's writes of this phase are done
+    if (threadIdx.x == 0) {
+      uint64_t* c = reinterpret_cast<uint64_t*>(base(rank) + cell);
+      __threadfence_system();
+      st_relaxed_sys(c + 1, aux0);
+      st_relaxed_sys(c + 2, aux1);
+      st_release_sys(c, word);
+    }
+  }
+
+  // Leader only: record the first failure of this rank and abort every rank (NOTE [gpu deadlines]).
+  __device__ void fail(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
+                       int origin) {
+    if (atomicCAS(&kp.err->code, 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
+      kp.err->phase = static_cast<uint32_t>(phase);
+      kp.err->peer = peer;
+      kp.err->step = step;
+      kp.err->origin = origin;
+      kp.err->epoch = epoch;
+      kp.err->observed = observed;
+      __threadfence_system();
+    }
+    const Layout& w = kp.cfg.where;
+    const size_t abort_off = kp.cfg.L.abort_cell();
+    const uint64_t aux = static_cast<uint64_t>(origin) | (static_cast<uint64_t>(kind) << 32);
+    const uint64_t word = flag_word(epoch, 1);
+    for (int r = 0; r < w.world; ++r) {
+      if (r / w.G == w.node) {
+        uint64_t* c = reinterpret_cast<uint64_t*>(base(r) + abort_off);
+        st_relaxed_sys(c + 1, aux);
+        st_release_sys(c, word);
+      } else {
+        // Remote: the abort word alone (aux0 of a remote abort is unknown: "peer abort").
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(kp.my + abort_off), word, NVSHMEM_SIGNAL_SET, r);
+      }
+    }
+  }
+
+  // Leader only: true while no abort arrived; else records it.
+  __device__ bool aborted(Phase phase, int step, int peer, uint64_t epoch) {
+    const uint64_t* c = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
+    if (ld_relaxed_sys(c) == 0) return false;
+    const uint64_t aux = ld_relaxed_sys(c + 1);
+    const uint32_t kind = static_cast<uint32_t>(aux >> 32);
+    const int origin = aux == 0 ? -1 : static_cast<int>(aux & 0xffffffffu);
+    if (atomicCAS(&kp.err->code, 0ull, static_cast<unsigned long long>(kind == 0 ? kPeerAbortCode : kind)) == 0ull) {
+      kp.err->phase = static_cast<uint32_t>(phase);
+      kp.err->peer = peer;
+      kp.err->step = step;
+      kp.err->origin = origin;
+      kp.err->epoch = epoch;
+      kp.err->observed = 0;
+      __threadfence_system();
+    }
+    return true;
+  }
+
+  __device__ bool wait(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, uint64_t* aux0,
+                       uint64_t* aux1) {
+    if (threadIdx.x == 0) {
+      uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
+      const uint64_t target = flag_word(e, 0);
+      const uint64_t start = globaltimer();
+      uint64_t v = ld_acquire_sys(c);
+      int ok = 1;
+      unsigned backoff = 32;
+      while (v < target) {
+        if (aborted(phase, step, peer, e)) {
+          ok = 0;
+          break;
+        }
+        if (globaltimer() - start > kp.timeout_ns) {
+          fail(kTimeoutCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+          ok = 0;
+          break;
+        }
+        __nanosleep(backoff);
+        if (backoff < 1024) backoff *= 2;
+        v = ld_acquire_sys(c);
+      }
+      if (ok && flag_epoch(v) != e) {
+        fail(kViolationCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+        ok = 0;
+      }
+      if (ok && flag_sig(v) != sig) {
+        fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+        ok = 0;
+      }
+      if (ok && cell >= kp.cfg.L.inter_cell(0, 0, 0)) {
+        // Written by an NVSHMEM signal: returns at once, and adds the consistency step that
+        // makes the signal's data visible (proxy transports included).
+        nvshmem_uint64_wait_until(c, NVSHMEM_CMP_GE, target);
+      }
+      sh.aux0 = ok ? ld_relaxed_sys(c + 1) : 0;
+      sh.aux1 = ok ? ld_relaxed_sys(c + 2) : 0;
+      sh.ok = ok;
+    }
+    __syncthreads();
+    *aux0 = sh.aux0;
+    *aux1 = sh.aux1;
+    const bool ok = sh.ok != 0;
+    __syncthreads();  // nobody overwrites sh before everyone read it
+    return ok;
+  }
+
+  __device__ bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
+    __syncthreads();
+    if (threadIdx.x == 0) __threadfence();
+    __syncthreads();
+    nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, bytes, reinterpret_cast<uint64_t*>(kp.my + cell), word,
+                                     NVSHMEM_SIGNAL_SET, rank);
+    return true;
+  }
+
+  __device__ bool put_ll(int rank, size_t dst_off, size_t out_off, const char* src, size_t bytes, uint32_t flag) {
+    __syncthreads();
+    const size_t n = ll_packets(bytes);
+    uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(kp.my + dst_off, rank));
+    if (direct != nullptr) {
+      // Load/store reachable (NVLink, or a PE on this GPU): 8-byte stores arrive whole.
+      for (size_t i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys(direct + i, ll_make_packet(src, bytes, i, flag));
+      __syncthreads();
+      return true;
+    }
+    uint64_t* out = reinterpret_cast<uint64_t*>(kp.my + out_off);
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = ll_make_packet(src, bytes, i, flag);
+    __syncthreads();
+    nvshmemx_putmem_nbi_block(kp.my + dst_off, out, n * 8, rank);
+    return true;
+  }
+
+  __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
+    const uint32_t flag = ll_flag(e, sig);
+    const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
+    const size_t n = ll_packets(bytes);
+    const uint64_t start = globaltimer();
+    int state = 1;  // 1 ok, 0 timeout, -1 mismatch, -2 aborted
+    if (threadIdx.x == 0) sh.ok = 1;
+    __syncthreads();
+    for (size_t i = threadIdx.x; i < n && state == 1; i += blockDim.x) {
+      int st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
+      unsigned spins = 0;
+      while (st == 0) {
+        if ((++spins & 63) == 0) {
+          if (globaltimer() - start > kp.timeout_ns) {
+            st = 2;
+            break;
+          }
+          if (ld_relaxed_sys(reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell())) != 0 ||
+              *reinterpret_cast<volatile int*>(&sh.ok) != 1) {
+            st = 3;
+            break;
+          }
+        }
+        st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
+      }
+      if (st == -1) state = -1;
+      if (st == 2) state = 0;
+      if (st == 3) state = -2;
+      if (state != 1) atomicExch(&sh.ok, state == 0 ? 0 : state);  // stop the other threads early
+    }
+    __syncthreads();
+    const int result = sh.ok;
+    if (threadIdx.x == 0 && result != 1) {
+      if (result == 0)
+        fail(kTimeoutCode, Phase::kInterNode, step, peer, e, 0, kp.cfg.where.rank);
+      else if (result == -1)
+        fail(kMismatchCode, Phase::kInterNode, step, peer, e, e, kp.cfg.where.rank);
+      else
+        aborted(Phase::kInterNode, step, peer, e);
+    }
+    __syncthreads();
+    return result == 1;
+  }
+
+  __device__ void ll_unpack(char* dst, size_t off, size_t bytes) {
+    uint64_t* pk = reinterpret_cast<uint64_t*>(kp.my + off);
+    const size_t n = ll_packets(bytes);
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+      ll_store_payload(dst, bytes, i, ld_relaxed_sys(pk + i));
+      pk[i] = 0;  // NOTE [LL zones]
+    }
+    __syncthreads();
+  }
+
+  __device__ void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) {
+    reduce_slice<kVec>(GroupView{static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)},
+                       reinterpret_cast<T* const*>(dst), nd, reinterpret_cast<const T* const*>(src), ns, n, Op{}, sc);
+    __syncthreads();
+  }
+
+  __device__ void copy(char* dst, const char* src, size_t bytes) {
+    copy_slice(GroupView{static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)}, dst, src, bytes);
+    __syncthreads();
+  }
+
+  // Cross-memory access to private host memory is a CPU-executor feature; RoundConfig::cma is
+  // false on the GPU, so the round never asks for it.
+  __device__ bool remote_read(int, char*, uint64_t, size_t, Phase) { return false; }
+  __device__ bool remote_write(int, const char*, uint64_t, size_t, Phase) { return false; }
+  __device__ void expose(uint64_t) {}
+  __device__ void jitter() {}
+};
+
+}  // namespace gpu
+}  // namespace nvrar

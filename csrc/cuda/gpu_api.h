@@ -1,0 +1,76 @@
+// The GPU executor as the bindings see it: plain C++ (no CUDA or NVSHMEM headers), so that the
+// binding file compiles with the host compiler in seconds. Implementation: runtime.cu (NVSHMEM,
+// memory, launch) and allreduce.cu (the fused kernel).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../protocol/plan.h"
+#include "../protocol/types.h"
+
+namespace nvrar {
+namespace gpu {
+
+struct GpuConfig {
+  int rank = 0;
+  int world = 1;
+  int ranks_per_node = 1;
+  int device = 0;                          // CUDA device of this rank
+  size_t max_bytes = size_t{16} << 20;     // largest chunk one round reduces (bytes)
+  size_t pool_bytes = size_t{64} << 20;    // zero-copy pool (Communicator.empty), bytes
+  size_t oneshot_max_bytes = size_t{64} << 10;
+  size_t ll_max_bytes = size_t{32} << 10;  // inter-node shards up to this size go as LL packets
+  size_t block_bytes = size_t{256} << 10;  // bytes per CUDA block before another block is added
+  int max_blocks = 16;                     // slices (CUDA blocks) per chunk, at most
+  int threads = 512;                       // threads per block
+  double timeout_s = 60.0;
+};
+
+// Number of CUDA devices (0 where there is no usable driver); `why` says what failed.
+int device_count(std::string* why);
+// NVSHMEM version the module was compiled against, and the one loaded at run time.
+std::string nvshmem_header_version();
+std::string nvshmem_library_version();
+std::vector<int> cuda_archs();
+// The unique id that rank 0 creates and every rank passes to GpuExecutor (128 bytes).
+std::string unique_id();
+// NVSHMEM_* variables this process set for NVSHMEM (never overriding the user's), for logging.
+std::vector<std::string> env_set_by_nvrar();
+// nvshmemx_init_status() (0 none .. 2 initialized, 3 several PEs per GPU without MPS, 4 with MPS).
+int nvshmem_init_status();
+// NVSHMEM's own all-reduce on the world team (symmetric buffers): the benchmark's peer.
+void nvshmem_reduce(uintptr_t dst, uintptr_t src, size_t count, DType dtype, RedOp op, uintptr_t stream);
+
+class GpuExecutor {
+ public:
+  // Collective: joins (or initializes) NVSHMEM with the unique id, allocates the symmetric
+  // segment, maps the local peers.
+  GpuExecutor(const GpuConfig& cfg, const std::string& uid);
+  ~GpuExecutor();
+  GpuExecutor(const GpuExecutor&) = delete;
+  GpuExecutor& operator=(const GpuExecutor&) = delete;
+
+  // Enqueues one fused all-reduce kernel on `stream` (a cudaStream_t as an integer). Raises the
+  // failure of an earlier call first, if the device recorded one.
+  void all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Variant variant,
+                  uintptr_t stream);
+  // Raise if a kernel recorded a failure (after synchronizing `stream` when nonzero).
+  void check(uintptr_t stream);
+  Variant resolve(Variant v, size_t bytes) const;
+  uint64_t epoch();  // synchronizes the device
+  uintptr_t pool_address() const;
+  size_t pool_bytes() const;
+  const GpuConfig& config() const;
+  void close();  // collective (nvshmem_free)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gpu
+}  // namespace nvrar

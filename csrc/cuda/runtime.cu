@@ -1,0 +1,342 @@
+// GPU executor runtime: NVSHMEM initialization (or joining an existing one), the symmetric
+// segment, peer mappings, the device state and the host-mapped error record, and the host side
+// of every call (variant, chunking, slices, signature; then one kernel launch).
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include "../common/error.h"
+#include "device.cuh"
+#include "gpu_api.h"
+#include "launch.h"
+
+#define NVRAR_CUDA_CHECK(expr)                                                                          \
+  do {                                                                                                  \
+    cudaError_t nvrar_e_ = (expr);                                                                      \
+    NVRAR_CHECK(nvrar_e_ == cudaSuccess, #expr, " failed: ", cudaGetErrorString(nvrar_e_), " (", \
+                static_cast<int>(nvrar_e_), ")");                                                       \
+  } while (0)
+
+namespace nvrar {
+namespace gpu {
+
+namespace {
+
+constexpr size_t kCellStride = 64;  // one cache line per flag cell, as on the CPU
+
+std::mutex g_mu;
+bool g_registered = false;  // this library's own NVSHMEM registration (init_status is process-wide)
+int g_users = 0;            // live executors of this process
+std::vector<std::string> g_env_set;
+
+// Set an NVSHMEM variable only where the user has not, and remember it for the log.
+void setenv_default(const char* name, const std::string& value) {
+  if (std::getenv(name) != nullptr) return;
+  ::setenv(name, value.c_str(), 0);
+  g_env_set.push_back(std::string(name) + "=" + value);
+}
+
+
+}  // namespace
+
+int device_count(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    if (why) *why = cudaGetErrorString(e);
+    cudaGetLastError();
+    return 0;
+  }
+  if (why) *why = n > 0 ? "" : "no CUDA device";
+  return n;
+}
+
+std::string nvshmem_header_version() {
+  std::ostringstream os;
+  os << NVSHMEM_VENDOR_MAJOR_VERSION << "." << NVSHMEM_VENDOR_MINOR_VERSION << "." << NVSHMEM_VENDOR_PATCH_VERSION;
+  return os.str();
+}
+
+std::string nvshmem_library_version() {
+  int major = 0, minor = 0, patch = 0;
+  nvshmemx_vendor_get_version_info(&major, &minor, &patch);
+  std::ostringstream os;
+  os << major << "." << minor << "." << patch;
+  return os.str();
+}
+
+std::vector<int> cuda_archs() {
+  std::vector<int> out;
+  std::istringstream is(NVRAR_CUDA_ARCHS);
+  std::string tok;
+  while (std::getline(is, tok, ';'))
+    if (!tok.empty()) out.push_back(std::atoi(tok.c_str()));
+  return out;
+}
+
+std::string unique_id() {
+  nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;
+  NVRAR_CHECK(nvshmemx_get_uniqueid(&uid) == 0, "nvshmemx_get_uniqueid failed");
+  return std::string(reinterpret_cast<const char*>(&uid), sizeof(uid));
+}
+
+int nvshmem_init_status() { return nvshmemx_init_status(); }
+
+void nvshmem_reduce(uintptr_t dst, uintptr_t src, size_t count, DType dtype, RedOp op, uintptr_t stream) {
+  NVRAR_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, "NVSHMEM is not initialized");
+  NVRAR_CHECK(nvshmemx_init_status() != NVSHMEM_STATUS_LIMITED_MPG,
+              "NVSHMEM's collectives are not allowed with several PEs per GPU without MPS");
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  int rc = -1;
+#define NVRAR_NVSHMEM_REDUCE(NAME, T)                                                                                \
+  switch (op) {                                                                                                      \
+    case RedOp::kSum: rc = nvshmemx_##NAME##_sum_reduce_on_stream(NVSHMEM_TEAM_WORLD, reinterpret_cast<T*>(dst),     \
+                                                                  reinterpret_cast<const T*>(src), count, s); break; \
+    case RedOp::kMax: rc = nvshmemx_##NAME##_max_reduce_on_stream(NVSHMEM_TEAM_WORLD, reinterpret_cast<T*>(dst),     \
+                                                                  reinterpret_cast<const T*>(src), count, s); break; \
+    case RedOp::kMin: rc = nvshmemx_##NAME##_min_reduce_on_stream(NVSHMEM_TEAM_WORLD, reinterpret_cast<T*>(dst),     \
+                                                                  reinterpret_cast<const T*>(src), count, s); break; \
+    default: NVRAR_CHECK(false, "NVSHMEM has no ", op_name(op), " reduction");                                      \
+  }
+  switch (dtype) {
+    case DType::kFloat32: NVRAR_NVSHMEM_REDUCE(float, float) break;
+    case DType::kFloat16: NVRAR_NVSHMEM_REDUCE(half, half) break;
+    case DType::kBFloat16: NVRAR_NVSHMEM_REDUCE(bfloat16, __nv_bfloat16) break;
+    case DType::kInt32: NVRAR_NVSHMEM_REDUCE(int, int) break;
+  }
+#undef NVRAR_NVSHMEM_REDUCE
+  NVRAR_CHECK(rc == 0, "NVSHMEM reduce failed (code ", rc, ")");
+}
+
+std::vector<std::string> env_set_by_nvrar() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_env_set;
+}
+
+struct GpuExecutor::Impl {
+  GpuConfig cfg;
+  Layout where;
+  SegmentLayout layout;
+  RoundConfig round;
+  char* segment = nullptr;       // nvshmem_malloc'd, symmetric
+  char** peers_dev = nullptr;    // device array [G]
+  DeviceState* state = nullptr;  // device memory
+  ErrorRecord* err_host = nullptr;
+  ErrorRecord* err_dev = nullptr;
+  std::string failure;
+  bool closed = false;
+
+  void init_nvshmem(const std::string& uid);
+  void raise_recorded();
+};
+
+void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
+  // The device library we were linked with must not be newer than the host library loaded now.
+  int major = 0, minor = 0, patch = 0;
+  nvshmemx_vendor_get_version_info(&major, &minor, &patch);
+  NVRAR_CHECK(major == NVSHMEM_VENDOR_MAJOR_VERSION && minor >= NVSHMEM_VENDOR_MINOR_VERSION,
+              "nvrar was built against NVSHMEM ", nvshmem_header_version(), " but NVSHMEM ",
+              nvshmem_library_version(), " is loaded; install nvidia-nvshmem-cu13>=", nvshmem_header_version(),
+              " (same major version)");
+  NVRAR_CHECK(uid.size() == sizeof(nvshmemx_uniqueid_t), "unique id of ", uid.size(), " bytes, expected ",
+              sizeof(nvshmemx_uniqueid_t));
+  // A current CUDA context first: without one NVSHMEM only bootstraps and exits the process on a
+  // failure inside its next call.
+  NVRAR_CUDA_CHECK(cudaSetDevice(cfg.device));
+  NVRAR_CUDA_CHECK(cudaFree(nullptr));
+  std::lock_guard<std::mutex> lock(g_mu);
+  // Room for every executor of this process in the symmetric heap (never overriding the user).
+  setenv_default("NVSHMEM_SYMMETRIC_SIZE", std::to_string(std::max<size_t>(size_t{1} << 30, 2 * layout.total_bytes)));
+  if (!g_registered) {
+    nvshmemx_uniqueid_t id;
+    std::memcpy(&id, uid.data(), sizeof(id));
+    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+    NVRAR_CHECK(nvshmemx_set_attr_uniqueid_args(cfg.rank, cfg.world, &id, &attr) == 0,
+                "nvshmemx_set_attr_uniqueid_args failed");
+    // nvshmemi_init_thread is what the inline nvshmemx_init_attr calls, minus its exit(-1) on a
+    // failure: a failed initialization becomes an exception, not the end of the process.
+    // (Non-ABI entry point, present from 3.4 to 3.8; the version check above pins the major.)
+    int provided = 0;
+    nvshmemi_version_t ver = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                              NVSHMEM_VENDOR_PATCH_VERSION};
+    const int rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, ver);
+    NVRAR_CHECK(rc == 0, "NVSHMEM initialization failed (code ", rc, "); NVSHMEM_DEBUG=WARN says why");
+    NVRAR_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, "NVSHMEM did not finish initializing");
+    g_registered = true;
+  }
+  // Joined an NVSHMEM someone else initialized (nvshmem4py, another library)? Then its PE
+  // numbering is the one in force: it must be ours.
+  NVRAR_CHECK(nvshmem_my_pe() == cfg.rank && nvshmem_n_pes() == cfg.world, "NVSHMEM runs as PE ", nvshmem_my_pe(),
+              " of ", nvshmem_n_pes(), " but this communicator is rank ", cfg.rank, " of ", cfg.world,
+              "; create the communicator over the same ranks in the same order");
+  ++g_users;
+}
+
+GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(new Impl) {
+  Impl& I = *impl_;
+  I.cfg = cfg;
+  NVRAR_CHECK(cfg.world >= 1 && cfg.rank >= 0 && cfg.rank < cfg.world, "rank ", cfg.rank, " of ", cfg.world);
+  NVRAR_CHECK(cfg.ranks_per_node >= 1 && cfg.world % cfg.ranks_per_node == 0, "ranks_per_node=", cfg.ranks_per_node,
+              " must divide the world size ", cfg.world);
+  NVRAR_CHECK(cfg.ranks_per_node <= kMaxLocal, "at most ", kMaxLocal, " ranks per node, got ", cfg.ranks_per_node);
+  NVRAR_CHECK(cfg.max_blocks >= 1 && cfg.threads >= 32 && cfg.threads <= 1024, "bad launch configuration");
+  std::string why;
+  NVRAR_CHECK(device_count(&why) > 0, "the GPU executor needs a CUDA device: ", why);
+  I.cfg.max_bytes = std::max<size_t>(cfg.max_bytes / 64 * 64, 4096);
+  I.where = Layout::make(cfg.world, cfg.ranks_per_node, cfg.rank);
+  I.layout = SegmentLayout::make(cfg.ranks_per_node, I.where.N, I.cfg.max_bytes, cfg.oneshot_max_bytes, cfg.pool_bytes,
+                                 kCellStride, cfg.max_blocks, I.where.N > 1 ? cfg.ll_max_bytes : 0);
+  I.round = RoundConfig{I.where, I.layout, false, 0, 0, I.where.N > 1 ? cfg.ll_max_bytes : 0};
+  I.init_nvshmem(uid);
+
+  I.segment = static_cast<char*>(nvshmem_malloc(I.layout.total_bytes));  // collective
+  NVRAR_CHECK(I.segment != nullptr, "nvshmem_malloc of ", I.layout.total_bytes,
+              " bytes failed; raise NVSHMEM_SYMMETRIC_SIZE");
+  NVRAR_CUDA_CHECK(cudaMemset(I.segment, 0, I.layout.pool_off));
+  std::vector<char*> peers(static_cast<size_t>(cfg.ranks_per_node));
+  for (int h = 0; h < cfg.ranks_per_node; ++h) {
+    const int pe = I.where.rank_of(I.where.node, h);
+    peers[static_cast<size_t>(h)] = static_cast<char*>(nvshmem_ptr(I.segment, pe));
+    NVRAR_CHECK(peers[static_cast<size_t>(h)] != nullptr, "rank ", cfg.rank, " cannot load/store rank ", pe,
+                "'s memory (no NVLink or PCIe peer access); ranks of one node must be peer-accessible, or use "
+                "ranks_per_node=1 so that every exchange goes through NVSHMEM");
+  }
+  NVRAR_CUDA_CHECK(cudaMalloc(&I.peers_dev, peers.size() * sizeof(char*)));
+  NVRAR_CUDA_CHECK(cudaMemcpy(I.peers_dev, peers.data(), peers.size() * sizeof(char*), cudaMemcpyHostToDevice));
+  NVRAR_CUDA_CHECK(cudaMalloc(&I.state, sizeof(DeviceState)));
+  NVRAR_CUDA_CHECK(cudaMemset(I.state, 0, sizeof(DeviceState)));
+  NVRAR_CUDA_CHECK(cudaHostAlloc(&I.err_host, sizeof(ErrorRecord), cudaHostAllocMapped));
+  std::memset(I.err_host, 0, sizeof(ErrorRecord));
+  NVRAR_CUDA_CHECK(cudaHostGetDevicePointer(&I.err_dev, I.err_host, 0));
+  NVRAR_CUDA_CHECK(cudaDeviceSynchronize());
+  nvshmem_barrier_all();  // every segment is zeroed before anyone signals into it
+}
+
+GpuExecutor::~GpuExecutor() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void GpuExecutor::close() {
+  Impl& I = *impl_;
+  if (I.closed) return;
+  I.closed = true;
+  cudaDeviceSynchronize();
+  if (I.segment != nullptr) nvshmem_free(I.segment);  // collective
+  if (I.peers_dev != nullptr) cudaFree(I.peers_dev);
+  if (I.state != nullptr) cudaFree(I.state);
+  if (I.err_host != nullptr) cudaFreeHost(I.err_host);
+  I.segment = nullptr;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (--g_users == 0 && g_registered) {
+    nvshmem_finalize();  // ours: reference-counted by NVSHMEM when someone else initialized it
+    g_registered = false;
+  }
+}
+
+const GpuConfig& GpuExecutor::config() const { return impl_->cfg; }
+uintptr_t GpuExecutor::pool_address() const {
+  return reinterpret_cast<uintptr_t>(impl_->segment + impl_->layout.pool_off);
+}
+size_t GpuExecutor::pool_bytes() const { return impl_->layout.pool_bytes; }
+
+Variant GpuExecutor::resolve(Variant v, size_t bytes) const {
+  if (v != Variant::kAuto) return v;
+  return bytes <= impl_->cfg.oneshot_max_bytes ? Variant::kOneShot : Variant::kTwoShot;
+}
+
+uint64_t GpuExecutor::epoch() {
+  unsigned long long e = 0;
+  NVRAR_CUDA_CHECK(cudaDeviceSynchronize());
+  NVRAR_CUDA_CHECK(cudaMemcpy(&e, &impl_->state->epoch, sizeof(e), cudaMemcpyDeviceToHost));
+  return e;
+}
+
+void GpuExecutor::Impl::raise_recorded() {
+  // The device writes the fields, then (fence) publishes nothing else: code is claimed first by
+  // atomicCAS, so read code, then the rest after a fence (a partly written record is re-read).
+  if (reinterpret_cast<volatile ErrorRecord*>(err_host)->code == 0) return;
+  ErrorRecord r;
+  for (int tries = 0; tries < 1000; ++tries) {
+    __sync_synchronize();
+    std::memcpy(&r, const_cast<const ErrorRecord*>(err_host), sizeof(r));
+    if (r.epoch != 0) break;  // every record names a round >= 1
+  }
+  const auto kind = static_cast<ProtocolError::Kind>(r.code);
+  std::ostringstream os;
+  os << "nvrar: rank " << cfg.rank << ": ";
+  switch (kind) {
+    case ProtocolError::Kind::kTimeout: os << "timed out after " << cfg.timeout_s << " s"; break;
+    case ProtocolError::Kind::kMismatch: os << "call mismatch (the flag's call signature differs)"; break;
+    case ProtocolError::Kind::kViolation: os << "protocol violation: a flag arrived from a later round"; break;
+    default: os << "aborted by rank " << r.origin; break;
+  }
+  os << " (phase " << phase_name(static_cast<Phase>(r.phase)) << ", step " << r.step << ", waiting for rank " << r.peer
+     << ", expected epoch " << r.epoch << ", observed epoch " << r.observed << ")";
+  failure = os.str();
+  throw ProtocolError(kind, failure, cfg.rank, r.peer, static_cast<Phase>(r.phase), r.step, r.epoch, r.observed);
+}
+
+void GpuExecutor::check(uintptr_t stream) {
+  Impl& I = *impl_;
+  NVRAR_CHECK(!I.closed, "the communicator is closed");
+  if (stream != 0) NVRAR_CUDA_CHECK(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
+  I.raise_recorded();
+}
+
+void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Variant variant,
+                             uintptr_t stream) {
+  Impl& I = *impl_;
+  NVRAR_CHECK(!I.closed, "all_reduce: the communicator is closed");
+  NVRAR_CHECK(I.failure.empty(), "all_reduce: this communicator failed earlier and cannot be used again: ", I.failure);
+  I.raise_recorded();  // an earlier kernel's failure surfaces here at the latest
+  if (count == 0) return;
+  const size_t es = static_cast<size_t>(dtype_size(dtype));
+  const size_t bytes = count * es;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (I.cfg.world == 1) {
+    if (in != out) NVRAR_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(out), reinterpret_cast<const void*>(in),
+                                                    bytes, cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  const Variant v = resolve(variant, bytes);
+  NVRAR_CHECK(v == Variant::kTwoShot || v == Variant::kOneShot, "all_reduce: unknown variant");
+  // Slices: one block per block_bytes, at most max_blocks; every rank computes the same.
+  const int B = static_cast<int>(std::min<size_t>(static_cast<size_t>(I.cfg.max_blocks),
+                                                  std::max<size_t>(1, ceil_div(bytes, I.cfg.block_bytes))));
+  size_t chunk_bytes = I.cfg.max_bytes / static_cast<size_t>(I.cfg.max_blocks) * static_cast<size_t>(B);
+  if (v == Variant::kOneShot && I.where.N > 1)
+    chunk_bytes = std::min(chunk_bytes, I.layout.oneshot_chunk_bytes() / static_cast<size_t>(I.cfg.max_blocks) *
+                                            static_cast<size_t>(B));
+  chunk_bytes = std::max<size_t>(chunk_bytes / 64 * 64, 64);
+  const uintptr_t pool = pool_address();
+  KernelParams kp{};
+  kp.in = reinterpret_cast<const char*>(in);
+  kp.out = reinterpret_cast<char*>(out);
+  kp.count = count;
+  kp.chunk_elems = chunk_bytes / es;
+  kp.es = static_cast<int>(es);
+  kp.variant = static_cast<int>(v);
+  kp.sig = call_signature(count, static_cast<int>(dtype), static_cast<int>(op), static_cast<int>(v));
+  kp.sc = make_scale(op, I.cfg.world);
+  kp.in_pool = in >= pool && in + bytes <= pool + I.layout.pool_bytes;
+  kp.out_pool = out >= pool && out + bytes <= pool + I.layout.pool_bytes;
+  kp.cfg = I.round;
+  kp.my = I.segment;
+  kp.peers = I.peers_dev;
+  kp.state = I.state;
+  kp.err = I.err_dev;
+  kp.timeout_ns = static_cast<unsigned long long>(I.cfg.timeout_s * 1e9);
+  NVRAR_CUDA_CHECK(launch_allreduce(kp, dtype, op, B, I.cfg.threads, s));
+}
+
+}  // namespace gpu
+}  // namespace nvrar

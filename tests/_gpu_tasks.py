@@ -1,0 +1,104 @@
+"""Rank-side tasks of tests/gpu (run by _worker.py). Every rank uses this host's GPU given by
+NVRAR_TEST_GPU (default 0): on a one-GPU machine all ranks share it (NVSHMEM's limited
+multi-process-per-GPU mode), and ranks_per_node < world makes the "inter-node" exchanges go
+through NVSHMEM puts and signals."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import nvrar
+import _matrix
+
+
+def _comm(args: dict) -> nvrar.Communicator:
+    torch.cuda.set_device(int(os.environ.get("NVRAR_TEST_GPU", "0")))
+    return nvrar.Communicator(device="cuda", ranks_per_node=args["G"], max_bytes=args.get("max_bytes", 1 << 16),
+                              timeout=args.get("timeout", 120))
+
+
+def task_gpu_matrix(args: dict) -> dict:
+    _matrix.DEVICE = "cuda"
+    comm = _comm(args)
+    report = _matrix.run_matrix(comm, quick=True)
+    report["burst"] = _matrix.run_burst(comm, calls=args.get("burst", 200), seed=args.get("seed", 3), max_count=50000)
+    comm.check()
+    comm.close()
+    return report
+
+
+def task_gpu_graph(args: dict) -> dict:
+    """One all_reduce captured in a CUDA graph, replayed `replays` times on fresh inputs; every
+    result checked (the epoch lives on the device, so replays stay in step)."""
+    comm = _comm(args)
+    rank, world = comm.rank, comm.world_size
+    n = args.get("count", 12345)
+    x = torch.empty(n, dtype=torch.float32, device="cuda")
+    src = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.fill_(1.0)
+        comm.all_reduce(x)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comm.all_reduce(x)
+    wrong = 0
+    base = torch.arange(n, device="cuda", dtype=torch.float32) % 13
+    for i in range(args.get("replays", 1000)):
+        src.copy_(base + (rank + i) % 7)
+        x.copy_(src)
+        g.replay()
+        want = base * world + sum((r + i) % 7 for r in range(world))
+        if i % 50 == 0 or i == args.get("replays", 1000) - 1:
+            torch.cuda.synchronize()
+        if not torch.equal(x, want):
+            wrong += 1
+    comm.check()
+    comm.close()
+    return {"wrong_replays": wrong}
+
+
+def task_gpu_timeout(args: dict) -> dict:
+    """The last rank never calls: the others' kernels time out, and check() raises."""
+    comm = _comm(args)
+    x = torch.ones(4096, device="cuda")
+    comm.all_reduce(x)
+    comm.check()
+    if comm.rank == comm.world_size - 1:
+        time.sleep(args["timeout"] + 5)
+        return {"absent": True}
+    t0 = time.monotonic()
+    comm.all_reduce(x)
+    try:
+        comm.check()
+        return {"raised": None}
+    except nvrar.NvrarError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0,
+                "is_timeout": isinstance(exc, nvrar.NvrarTimeoutError), "phase": exc.phase}
+
+
+def task_gpu_cupy(args: dict) -> dict:
+    import cupy
+
+    comm = _comm(args)
+    with cupy.cuda.Device(int(os.environ.get("NVRAR_TEST_GPU", "0"))):
+        x = cupy.arange(10000, dtype=cupy.float32) + comm.rank
+        comm.all_reduce(x)
+        want = cupy.arange(10000, dtype=cupy.float32) * comm.world_size + sum(range(comm.world_size))
+        ok = bool(cupy.all(x == want))
+        y = comm.empty(1000, "float32")  # a numpy dtype on a GPU communicator: a cupy array
+        y[...] = comm.rank
+        comm.all_reduce(y, "max")
+        ok_empty = bool(cupy.all(y == comm.world_size - 1))
+    comm.check()
+    comm.close()
+    return {"ok": ok, "ok_empty": ok_empty}
+
+
+TASKS = {"gpu_matrix": task_gpu_matrix, "gpu_graph": task_gpu_graph, "gpu_timeout": task_gpu_timeout,
+         "gpu_cupy": task_gpu_cupy}

@@ -1,0 +1,32 @@
+"""tests/gpu needs a CUDA device and a build with the GPU executor; without them every test here
+is skipped, with the reason."""
+
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _why_not() -> str:
+    import nvrar
+
+    info = nvrar.build_info()
+    if not info["cuda"] or not info["gpus"]:
+        return f"needs a GPU and the GPU executor: {info['cuda_error']}"
+    try:
+        import torch
+    except ImportError:
+        return "needs torch with CUDA"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device (a CPU-only torch?)"
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    why = _why_not()
+    if why:
+        skip = pytest.mark.skip(reason=why)
+        for item in items:
+            if str(item.path).startswith(HERE + os.sep):
+                item.add_marker(skip)

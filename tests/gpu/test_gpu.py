@@ -1,0 +1,67 @@
+"""The GPU executor on real processes: the correctness matrix on CUDA tensors (with emulated
+nodes, so that inter-node exchanges go through NVSHMEM), CUDA-graph replays, the timeout path,
+cupy input. Several processes may share one GPU (NVSHMEM's multi-process-per-GPU mode): the
+environment below is the one that mode needs."""
+
+import os
+
+import pytest
+
+from _launch import assert_all_ok, launch
+
+# One GPU, several PEs: no network transport, no NVLS/NCCL inside NVSHMEM, bootstrap on loopback.
+ONE_GPU_ENV = {
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NVSHMEM_DISABLE_NCCL": "1",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_SYMMETRIC_SIZE": "1G",
+}
+
+
+def env():
+    e = dict(ONE_GPU_ENV)
+    e.update({k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")})  # the caller's settings win
+    return e
+
+
+LAYOUTS = [(2, 1), (2, 2), (4, 2), (3, 1)]
+
+
+@pytest.mark.parametrize("world,G", LAYOUTS, ids=[f"W{w}G{g}" for w, g in LAYOUTS])
+def test_gpu_matrix(world, G):
+    reports = assert_all_ok(launch(world, "gpu_matrix", {"G": G}, env=env(), timeout=600))
+    for section in ("matrix", "random", "burst"):
+        pick = (lambda r: r) if section == "matrix" else (lambda r, s=section: r[s])
+        assert all(pick(r)["failures"] == [] for r in reports), [pick(r)["failures"] for r in reports]
+        assert len({pick(r)["digest"] for r in reports}) == 1, f"{section}: ranks differ bitwise"
+
+
+def test_gpu_matrix_put_with_signal_only():
+    """LL off: every inter-node exchange is a put-with-signal."""
+    e = env()
+    e["NVRAR_LL_MAX_BYTES"] = "0"
+    reports = assert_all_ok(launch(4, "gpu_matrix", {"G": 2}, env=e, timeout=600))
+    assert all(r["failures"] == [] and r["burst"]["failures"] == [] for r in reports)
+
+
+def test_cuda_graph_1000_replays():
+    reports = assert_all_ok(launch(2, "gpu_graph", {"G": 1, "replays": 1000}, env=env(), timeout=600))
+    assert all(r["wrong_replays"] == 0 for r in reports)
+
+
+def test_timeout_raises_at_check():
+    timeout = 5
+    res = launch(3, "gpu_timeout", {"G": 1, "timeout": timeout}, env=env(), timeout=120)
+    reports = [r.report for r in res[:2]]
+    for rep in reports:
+        assert rep is not None and rep["raised"] is not None, rep
+        assert rep["is_timeout"], rep
+        assert rep["elapsed"] < timeout + 10, rep
+        assert rep["phase"] in ("reduce-scatter", "inter-node", "all-gather", "one-shot-reduce"), rep
+
+
+def test_cupy_input():
+    pytest.importorskip("cupy")
+    reports = assert_all_ok(launch(2, "gpu_cupy", {"G": 2}, env=env(), timeout=300))
+    assert all(r["ok"] and r["ok_empty"] for r in reports)
