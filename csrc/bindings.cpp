@@ -116,6 +116,12 @@ PYBIND11_MODULE(_C, m) {
           return steps;
         },
         py::arg("num_nodes"), py::arg("node"));
+  m.def("chunk_slice",
+        [](size_t n, size_t chunk_elems, int elem_size, int B, int b) {
+          Range r = SegmentLayout::chunk_slice(n, chunk_elems, elem_size, B, b);
+          return py::make_tuple(r.begin, r.end);
+        },
+        py::arg("count"), py::arg("chunk_elems"), py::arg("elem_size"), py::arg("slices"), py::arg("slice"));
   m.def("inter_final_slot", [](int N, int node) { return InterSchedule::make(N, node).final_slot(); });
   m.def("inter_num_slots", [](int N) { return InterSchedule::num_slots_for(N); });
   m.def("segment_layout",

@@ -262,7 +262,10 @@ class Communicator:
         # Everything that can fail locally is checked, and the verdicts exchanged, before the
         # collective NVSHMEM setup: a rank must not leave the others waiting in it.
         mod, err = _gpu.load()
-        status = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1}
+        launch = selector.gpu_launch("cuda", G)
+        oneshot, ll = selector.oneshot_max_bytes("cuda", self._world, G), selector.ll_max_bytes("cuda")
+        settings = [oneshot, ll, launch["max_blocks"], launch["threads"], launch["block_bytes"]]
+        status = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1, "settings": settings}
         if mod is not None:
             n, why = mod.device_count()
             if n == 0:
@@ -273,11 +276,14 @@ class Communicator:
         failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
         if failed:
             raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
+        # Chunking, slicing and the LL threshold decide which bytes each round carries: they must
+        # be the same everywhere (NVRAR_* settings differing between ranks would mix data).
+        if len({json.dumps(s["settings"]) for s in statuses}) > 1:
+            raise NvrarError("Communicator: ranks disagree on the GPU settings (one-shot threshold, LL threshold, "
+                             "launch); per rank: " + "; ".join(f"rank {r}: {s['settings']}" for r, s in enumerate(statuses)))
         uid = boot.allgather(mod.unique_id() if self._rank == 0 else b"")[0]
-        launch = selector.gpu_launch("cuda", G)
         self._cuda_device = status["device"]
-        self._ex = mod.GpuExecutor(self._rank, self._world, G, status["device"], max_bytes, heap_bytes,
-                                   selector.oneshot_max_bytes("cuda", self._world, G), selector.ll_max_bytes("cuda"),
+        self._ex = mod.GpuExecutor(self._rank, self._world, G, status["device"], max_bytes, heap_bytes, oneshot, ll,
                                    timeout, launch["max_blocks"], launch["threads"], launch["block_bytes"], uid)
         for line in mod.env_set_by_nvrar():
             _log.info("nvrar: set %s (not set by the user)", line)

@@ -45,6 +45,24 @@ def test_shards_partition_and_align(G, elem_size):
         assert max(sizes) <= -(-(-(-count // G)) // align) * align
 
 
+@pytest.mark.parametrize("B", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("elem_size", [2, 4])
+def test_chunk_slices_keep_their_place_in_a_short_chunk(B, elem_size):
+    """Slice b of every chunk of a call covers the same elements of staging: the parity argument
+    holds per slice even when the last chunk is short (GPU: one CUDA block per slice)."""
+    for chunk in (64, 1000, 4096, 65536):
+        full = [_C.chunk_slice(chunk, chunk, elem_size, B, b) for b in range(B)]
+        pos = 0
+        for b, (lo, hi) in enumerate(full):  # a partition of the full chunk, 16-byte aligned
+            assert lo == pos and lo <= hi and (lo * elem_size) % 16 == 0 or lo == chunk
+            pos = hi
+        assert pos == chunk
+        for n in (0, 1, 7, chunk // 3, chunk - 1, chunk):
+            for b in range(B):
+                lo, hi = _C.chunk_slice(n, chunk, elem_size, B, b)
+                assert (lo, hi) == (min(full[b][0], n), min(full[b][1], n))
+
+
 def simulate_inter(N: int, rng: random.Random):
     """Run every node's schedule as a dataflow; returns {node: (expr, Counter)}."""
     scheds = [_C.inter_schedule(N, n) for n in range(N)]

@@ -7,7 +7,8 @@
 // stay in step (NOTE [epoch protocol], plan.h; NOTE [gpu deadlines], device.cuh).
 #include <cuda_runtime.h>
 
-#include "../common/error.h"
+#include <algorithm>
+
 #include "device.cuh"
 #include "launch.h"
 
@@ -15,7 +16,7 @@ namespace nvrar {
 namespace gpu {
 
 template <typename T, typename Op>
-__global__ void nvrar_allreduce_kernel(KernelParams kp) {
+__global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const __grid_constant__ KernelParams kp) {
   __shared__ SharedWs sh;
   GpuTransport<T, Op> tp{kp, sh};
   const Workspace ws{sh.srcs, sh.piece_srcs, sh.dsts, sh.piece_dsts, sh.peer_out, sh.src_remote, nullptr};
@@ -27,7 +28,7 @@ __global__ void nvrar_allreduce_kernel(KernelParams kp) {
     const uint64_t e = e0 + 1 + c;
     const size_t first = c * kp.chunk_elems;
     const size_t n = kp.count - first < kp.chunk_elems ? kp.count - first : kp.chunk_elems;
-    const Range sl = SegmentLayout::slice_range(n, kp.es, B, b);
+    const Range sl = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, b);
     const size_t at = (first + sl.begin) * static_cast<size_t>(kp.es);
     const Slice s{kp.in + at, kp.out + at, sl.size(), static_cast<size_t>(kp.es), sl.begin * static_cast<size_t>(kp.es),
                   b, kp.in_pool, kp.out_pool};
@@ -67,7 +68,23 @@ cudaError_t launch_op(const KernelParams& kp, RedOp op, int blocks, int threads,
   return cudaErrorInvalidValue;
 }
 
+template <typename T, typename Op>
+int max_threads_typed() {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, nvrar_allreduce_kernel<T, Op>) != cudaSuccess) return 0;
+  return a.maxThreadsPerBlock;
+}
+
+template <typename T>
+int max_threads_op() {
+  return std::min({max_threads_typed<T, OpSum>(), max_threads_typed<T, OpMax>(), max_threads_typed<T, OpMin>()});
+}
+
 }  // namespace
+
+int max_threads_per_block() {
+  return std::min({max_threads_op<float>(), max_threads_op<f16>(), max_threads_op<bf16>(), max_threads_op<int32_t>()});
+}
 
 cudaError_t launch_allreduce(const KernelParams& kp, DType dtype, RedOp op, int blocks, int threads,
                              cudaStream_t stream) {

@@ -21,6 +21,9 @@ namespace gpu {
 
 // Largest ranks per node the kernel's shared workspace holds (an NVL72 domain fits).
 constexpr int kMaxLocal = 72;
+// Most threads per block the kernel is compiled for (__launch_bounds__): it keeps the kernel at
+// 128 registers, so that 512 threads fit an SM on sm_80 and sm_90.
+constexpr int kMaxThreads = 512;
 
 // ProtocolError::Kind values (common/error.h), as the device records them.
 using ProtocolErrorKindCode = unsigned;
@@ -33,7 +36,8 @@ constexpr ProtocolErrorKindCode kTimeoutCode = 1, kMismatchCode = 2, kPeerAbortC
 // returns: the kernel ends, nothing continues with wrong data, and the host raises at its next
 // call or check(). Release builds keep all of this.
 struct ErrorRecord {
-  unsigned long long code;  // 0: no failure; else the ProtocolError::Kind
+  unsigned long long code;  // 0: no failure; else the ProtocolError::Kind (claimed first)
+  unsigned long long published;  // 1 once every field below is written (set last)
   uint32_t phase;
   int32_t peer;
   int32_t step;
@@ -107,7 +111,7 @@ struct SharedWs {
 // reduction of this kernel instance.
 template <typename T, typename Op>
 struct GpuTransport {
-  const KernelParams& kp;
+  const KernelParams& kp;  // the __grid_constant__ kernel parameter: no per-thread copy
   SharedWs& sh;
 
   static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
@@ -128,9 +132,9 @@ struct GpuTransport {
     }
   }
 
-  // Leader only: record the first failure of this rank and abort every rank (NOTE [gpu deadlines]).
-  __device__ void fail(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
-                       int origin) {
+  // Leader only: the first failure of this rank wins the record; `published` is set last.
+  __device__ void record(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
+                         int origin) {
     if (atomicCAS(&kp.err->code, 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
       kp.err->phase = static_cast<uint32_t>(phase);
       kp.err->peer = peer;
@@ -139,7 +143,14 @@ struct GpuTransport {
       kp.err->epoch = epoch;
       kp.err->observed = observed;
       __threadfence_system();
+      atomicExch(&kp.err->published, 1ull);
     }
+  }
+
+  // Leader only: record the first failure of this rank and abort every rank (NOTE [gpu deadlines]).
+  __device__ void fail(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
+                       int origin) {
+    record(kind, phase, step, peer, epoch, observed, origin);
     const Layout& w = kp.cfg.where;
     const size_t abort_off = kp.cfg.L.abort_cell();
     const uint64_t aux = static_cast<uint64_t>(origin) | (static_cast<uint64_t>(kind) << 32);
@@ -150,7 +161,9 @@ struct GpuTransport {
         st_relaxed_sys(c + 1, aux);
         st_release_sys(c, word);
       } else {
-        // Remote: the abort word alone (aux0 of a remote abort is unknown: "peer abort").
+        // Remote: aux first, fenced, then the word (signals to one PE may land out of order).
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(kp.my + abort_off) + 1, aux, NVSHMEM_SIGNAL_SET, r);
+        nvshmem_fence();
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(kp.my + abort_off), word, NVSHMEM_SIGNAL_SET, r);
       }
     }
@@ -159,19 +172,11 @@ struct GpuTransport {
   // Leader only: true while no abort arrived; else records it.
   __device__ bool aborted(Phase phase, int step, int peer, uint64_t epoch) {
     const uint64_t* c = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
-    if (ld_relaxed_sys(c) == 0) return false;
+    if (ld_acquire_sys(c) == 0) return false;
     const uint64_t aux = ld_relaxed_sys(c + 1);
     const uint32_t kind = static_cast<uint32_t>(aux >> 32);
     const int origin = aux == 0 ? -1 : static_cast<int>(aux & 0xffffffffu);
-    if (atomicCAS(&kp.err->code, 0ull, static_cast<unsigned long long>(kind == 0 ? kPeerAbortCode : kind)) == 0ull) {
-      kp.err->phase = static_cast<uint32_t>(phase);
-      kp.err->peer = peer;
-      kp.err->step = step;
-      kp.err->origin = origin;
-      kp.err->epoch = epoch;
-      kp.err->observed = 0;
-      __threadfence_system();
-    }
+    record(kind == 0 ? kPeerAbortCode : kind, phase, step, peer, epoch, 0, origin);
     return true;
   }
 
@@ -234,6 +239,8 @@ struct GpuTransport {
 
   __device__ bool put_ll(int rank, size_t dst_off, size_t out_off, const char* src, size_t bytes, uint32_t flag) {
     __syncthreads();
+    if (threadIdx.x == 0) __threadfence_system();  // my earlier zeroing of LL zones is ordered before
+    __syncthreads();
     const size_t n = ll_packets(bytes);
     uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(kp.my + dst_off, rank));
     if (direct != nullptr) {
@@ -249,45 +256,47 @@ struct GpuTransport {
     return true;
   }
 
+  // Every thread polls its own packets. The first failure a thread sees claims sh.ok (1 -> code,
+  // compare-and-swap, so it is never overwritten); the others stop as soon as sh.ok is not 1.
   __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
+    constexpr int kTimeout = 0, kMismatch = -1, kAborted = -2;
     const uint32_t flag = ll_flag(e, sig);
     const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
+    const uint64_t* abort_word = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
+    volatile int* ok = &sh.ok;
     const size_t n = ll_packets(bytes);
     const uint64_t start = globaltimer();
-    int state = 1;  // 1 ok, 0 timeout, -1 mismatch, -2 aborted
     if (threadIdx.x == 0) sh.ok = 1;
     __syncthreads();
-    for (size_t i = threadIdx.x; i < n && state == 1; i += blockDim.x) {
+    for (size_t i = threadIdx.x; i < n && *ok == 1; i += blockDim.x) {
       int st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
       unsigned spins = 0;
       while (st == 0) {
         if ((++spins & 63) == 0) {
+          if (*ok != 1) break;  // another thread failed: its code stands
           if (globaltimer() - start > kp.timeout_ns) {
-            st = 2;
+            atomicCAS(&sh.ok, 1, kTimeout);
             break;
           }
-          if (ld_relaxed_sys(reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell())) != 0 ||
-              *reinterpret_cast<volatile int*>(&sh.ok) != 1) {
-            st = 3;
+          if (ld_relaxed_sys(abort_word) != 0) {
+            atomicCAS(&sh.ok, 1, kAborted);
             break;
           }
+          __nanosleep(64);
         }
         st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
       }
-      if (st == -1) state = -1;
-      if (st == 2) state = 0;
-      if (st == 3) state = -2;
-      if (state != 1) atomicExch(&sh.ok, state == 0 ? 0 : state);  // stop the other threads early
+      if (st < 0) atomicCAS(&sh.ok, 1, kMismatch);
     }
     __syncthreads();
     const int result = sh.ok;
     if (threadIdx.x == 0 && result != 1) {
-      if (result == 0)
+      if (result == kTimeout)
         fail(kTimeoutCode, Phase::kInterNode, step, peer, e, 0, kp.cfg.where.rank);
-      else if (result == -1)
+      else if (result == kMismatch)
         fail(kMismatchCode, Phase::kInterNode, step, peer, e, e, kp.cfg.where.rank);
-      else
-        aborted(Phase::kInterNode, step, peer, e);
+      else if (!aborted(Phase::kInterNode, step, peer, e))
+        fail(kViolationCode, Phase::kInterNode, step, peer, e, 0, kp.cfg.where.rank);  // cannot happen
     }
     __syncthreads();
     return result == 1;
@@ -298,7 +307,7 @@ struct GpuTransport {
     const size_t n = ll_packets(bytes);
     for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
       ll_store_payload(dst, bytes, i, ld_relaxed_sys(pk + i));
-      pk[i] = 0;  // NOTE [LL zones]
+      st_relaxed_sys(pk + i, 0);  // NOTE [LL zones]
     }
     __syncthreads();
   }

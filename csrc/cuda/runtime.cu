@@ -6,6 +6,8 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -131,6 +133,11 @@ struct GpuExecutor::Impl {
   ErrorRecord* err_dev = nullptr;
   std::string failure;
   bool closed = false;
+  // Calls of one communicator must run one after the other (they share the device epoch): a
+  // call on another stream than the last one first waits for the last launch.
+  cudaEvent_t last_launch = nullptr;
+  cudaStream_t last_stream = nullptr;
+  bool launched = false;
 
   void init_nvshmem(const std::string& uid);
   void raise_recorded();
@@ -214,6 +221,11 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   NVRAR_CUDA_CHECK(cudaHostAlloc(&I.err_host, sizeof(ErrorRecord), cudaHostAllocMapped));
   std::memset(I.err_host, 0, sizeof(ErrorRecord));
   NVRAR_CUDA_CHECK(cudaHostGetDevicePointer(&I.err_dev, I.err_host, 0));
+  // Threads per block: what every instance of the kernel can launch with here (registers).
+  const int limit = max_threads_per_block();
+  NVRAR_CHECK(limit >= 32, "cannot query the all-reduce kernel's launch limits on this device");
+  I.cfg.threads = std::min(I.cfg.threads, std::min(limit, kMaxThreads)) / 32 * 32;
+  NVRAR_CUDA_CHECK(cudaEventCreateWithFlags(&I.last_launch, cudaEventDisableTiming));
   NVRAR_CUDA_CHECK(cudaDeviceSynchronize());
   nvshmem_barrier_all();  // every segment is zeroed before anyone signals into it
 }
@@ -234,6 +246,7 @@ void GpuExecutor::close() {
   if (I.peers_dev != nullptr) cudaFree(I.peers_dev);
   if (I.state != nullptr) cudaFree(I.state);
   if (I.err_host != nullptr) cudaFreeHost(I.err_host);
+  if (I.last_launch != nullptr) cudaEventDestroy(I.last_launch);
   I.segment = nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   if (--g_users == 0 && g_registered) {
@@ -261,23 +274,32 @@ uint64_t GpuExecutor::epoch() {
 }
 
 void GpuExecutor::Impl::raise_recorded() {
-  // The device writes the fields, then (fence) publishes nothing else: code is claimed first by
-  // atomicCAS, so read code, then the rest after a fence (a partly written record is re-read).
-  if (reinterpret_cast<volatile ErrorRecord*>(err_host)->code == 0) return;
+  // The device claims `code` first, writes the fields, then sets `published`: wait (bounded) for
+  // it, so the fields read are whole.
+  volatile ErrorRecord* v = reinterpret_cast<volatile ErrorRecord*>(err_host);
+  if (v->code == 0) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (v->published == 0 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  __sync_synchronize();
   ErrorRecord r;
-  for (int tries = 0; tries < 1000; ++tries) {
-    __sync_synchronize();
-    std::memcpy(&r, const_cast<const ErrorRecord*>(err_host), sizeof(r));
-    if (r.epoch != 0) break;  // every record names a round >= 1
-  }
+  std::memcpy(&r, const_cast<const ErrorRecord*>(err_host), sizeof(r));
   const auto kind = static_cast<ProtocolError::Kind>(r.code);
   std::ostringstream os;
   os << "nvrar: rank " << cfg.rank << ": ";
-  switch (kind) {
-    case ProtocolError::Kind::kTimeout: os << "timed out after " << cfg.timeout_s << " s"; break;
-    case ProtocolError::Kind::kMismatch: os << "call mismatch (the flag's call signature differs)"; break;
-    case ProtocolError::Kind::kViolation: os << "protocol violation: a flag arrived from a later round"; break;
-    default: os << "aborted by rank " << r.origin; break;
+  const char* what = kind == ProtocolError::Kind::kTimeout    ? "a timeout"
+                     : kind == ProtocolError::Kind::kMismatch ? "a call mismatch"
+                                                              : "a failure";
+  if (r.origin >= 0 && r.origin != cfg.rank) {
+    os << "aborted by rank " << r.origin << " after " << what << " there";
+  } else if (r.origin < 0) {
+    os << "aborted by another rank";
+  } else {
+    switch (kind) {
+      case ProtocolError::Kind::kTimeout: os << "timed out after " << cfg.timeout_s << " s"; break;
+      case ProtocolError::Kind::kMismatch: os << "call mismatch (the flag's call signature differs)"; break;
+      case ProtocolError::Kind::kViolation: os << "protocol violation: a flag arrived from a later round"; break;
+      default: os << "aborted"; break;
+    }
   }
   os << " (phase " << phase_name(static_cast<Phase>(r.phase)) << ", step " << r.step << ", waiting for rank " << r.peer
      << ", expected epoch " << r.epoch << ", observed epoch " << r.observed << ")";
@@ -335,7 +357,16 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
   kp.state = I.state;
   kp.err = I.err_dev;
   kp.timeout_ns = static_cast<unsigned long long>(I.cfg.timeout_s * 1e9);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  NVRAR_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+  const bool eager = capturing == cudaStreamCaptureStatusNone;
+  if (eager && I.launched && s != I.last_stream) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_launch, 0));
   NVRAR_CUDA_CHECK(launch_allreduce(kp, dtype, op, B, I.cfg.threads, s));
+  if (eager) {
+    NVRAR_CUDA_CHECK(cudaEventRecord(I.last_launch, s));
+    I.last_stream = s;
+    I.launched = true;
+  }
 }
 
 }  // namespace gpu

@@ -20,7 +20,9 @@ namespace nvrar {
 
 constexpr size_t kLLPayload = 4;  // payload bytes per 8-byte packet
 
-NVRAR_HD size_t ll_packets(size_t bytes) { return ceil_div(bytes, kLLPayload); }
+// At least one packet, also for an empty shard: every inter-node step stays a rendezvous (the
+// parity argument of NOTE [epoch protocol] needs F3 for every slice, empty or not).
+NVRAR_HD size_t ll_packets(size_t bytes) { return bytes == 0 ? 1 : ceil_div(bytes, kLLPayload); }
 NVRAR_HD size_t ll_wire_bytes(size_t bytes) { return ll_packets(bytes) * 8; }
 NVRAR_HD uint32_t ll_flag(uint64_t epoch, uint32_t sig) { return static_cast<uint32_t>(flag_word(epoch, sig)); }
 

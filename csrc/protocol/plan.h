@@ -62,7 +62,8 @@ namespace nvrar {
 //   (F3) each inter-node step is a rendezvous: r's partner in step s of round e+1 receives r's
 //        data of round e+1, which r sends only after its own reduce phase of e+1, which needs the
 //        ready(e+1) flag of every local peer of r, which each peer stores only after finishing
-//        round e (F1), including its all-gather reads of r's slots.
+//        round e (F1), including its all-gather reads of r's slots. This holds for empty shards
+//        too: a 0-byte step still carries its flag (a put-with-signal of no data, or one LL packet).
 // A slot of parity p is written in rounds e and e+2 only. Take any writer w of a slot of rank r
 // and any reader x of it in round e; we need: x finished reading before w writes in round e+2.
 //   staging[p] of r: writer r (stage-in e+2); readers: local peers of r (reduce phase of e). r
@@ -285,7 +286,11 @@ struct InterSchedule {
 // Byte layout of one rank's segment (identical on every rank of a communicator).
 // A chunk is processed as B independent slices (B = 1 on the CPU; one per CUDA block on the GPU),
 // each with its own flags and its own part of every slot, so that slices never wait for each
-// other. Cell indices: 0 abort; then ready[2][G][B], final[2][G][B], inter[2][S][B].
+// other. Slice b of every chunk of one call occupies the same byte range of staging (the slice
+// geometry comes from the full chunk size, see chunk_slice), so the parity argument holds per
+// slice; between calls, a kernel boundary orders all slices (a rank's next call starts after all
+// its blocks finished, and any of its blocks waits for every local peer's ready flag).
+// Cell indices: 0 abort; then ready[2][G][B], final[2][G][B], inter[2][S][B].
 struct SegmentLayout {
   int G;
   int S;                   // zones per parity (InterSchedule::num_slots)
@@ -308,8 +313,18 @@ struct SegmentLayout {
 
   static constexpr size_t kPage = 4096;
 
-  // Elements of slice b when a chunk of n elements is cut into B slices (16-byte aligned).
-  NVRAR_HD static Range slice_range(size_t n, int elem_size, int B, int b) { return shard_range(n, elem_size, B, b); }
+  // Elements of slice b of a chunk of n elements, in a call whose full chunks have chunk_elems:
+  // the cut is that of a full chunk (16-byte aligned), clipped to n, so that a short last chunk
+  // keeps every slice in its place.
+  NVRAR_HD static Range chunk_slice(size_t n, size_t chunk_elems, int elem_size, int B, int b) {
+    const size_t ss = shard_elems(chunk_elems, elem_size, B);
+    const size_t begin = ss * static_cast<size_t>(b) < n ? ss * static_cast<size_t>(b) : n;
+    const size_t end = begin + ss < n ? begin + ss : n;
+    Range r;
+    r.begin = begin;
+    r.end = end;
+    return r;
+  }
 
   NVRAR_HD static SegmentLayout make(int G, int num_nodes, size_t max_bytes, size_t min_zone_bytes,
                                      size_t pool_bytes, size_t cell_stride, int B = 1, size_t ll_max_bytes = 0) {

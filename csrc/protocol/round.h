@@ -66,7 +66,7 @@ struct RoundConfig {
 // never sits where packets are read. The zeroing is safe: the partner writes this zone again only
 // in round e+2, after it finished e+1, which needed my data of e+1, sent after this round.
 NVRAR_HD bool use_ll(const RoundConfig& cfg, size_t bytes) {
-  return bytes <= cfg.ll_max_bytes && ll_wire_bytes(bytes) <= cfg.L.ll_slice_bytes;
+  return cfg.L.ll_slice_bytes > 0 && bytes <= cfg.ll_max_bytes && ll_wire_bytes(bytes) <= cfg.L.ll_slice_bytes;
 }
 
 // One slice of one chunk: an independent protocol instance with its own flags and slot parts.
