@@ -79,7 +79,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("failure", &CpuExecutor::failure)
       .def_property_readonly("max_bytes", [](const CpuExecutor& ex) { return ex.config().max_bytes; })
       .def_property_readonly("segment_bytes", [](const CpuExecutor& ex) { return ex.segment_layout().total_bytes; })
-      .def("close", &CpuExecutor::close);
+      .def("close", &CpuExecutor::close, py::call_guard<py::gil_scoped_release>());
 
   // Address of a contiguous buffer-protocol object (numpy arrays): the per-call path's cheap
   // alternative to __array_interface__, which builds a dict on every access.

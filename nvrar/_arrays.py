@@ -120,6 +120,9 @@ def torch_info(x: Any, what: str, device: str = "cpu", index: int = 0) -> Tuple[
     if not x.is_contiguous():
         raise ValueError(f"all_reduce: {what} is not contiguous (shape {tuple(x.shape)}, strides {x.stride()}); "
                          "pass .contiguous()")
+    if x.is_neg() or x.is_conj():
+        raise ValueError(f"all_reduce: {what} is a lazily negated or conjugated view; pass .resolve_neg() / "
+                         ".resolve_conj()")
     return x.data_ptr(), x.numel(), code
 
 

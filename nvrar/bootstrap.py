@@ -27,9 +27,12 @@ _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZ
 
 
 def mpi_launched() -> bool:
-    """True when an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx) started this process."""
+    """True when an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx) started this process. A
+    torchrun worker is not, even inside a Slurm step."""
     if any(k in os.environ for k in _MPI_ENV):
         return True
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return False
     return "SLURM_STEP_ID" in os.environ and _int_env("SLURM_NTASKS", 1) > 1
 
 
@@ -209,7 +212,10 @@ class StoreBootstrap(Bootstrap):
         from ._store import StoreClient, StoreServer
 
         StoreBootstrap._sequence += 1
-        self._prefix = f"nvrar/{StoreBootstrap._sequence}"
+        # torchrun's agent store outlives worker restarts: a restarted generation must not read the
+        # keys of the previous one.
+        generation = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+        self._prefix = f"nvrar/{generation}/{StoreBootstrap._sequence}"
         self._round = 0
         self._server = None
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
@@ -218,7 +224,13 @@ class StoreBootstrap(Bootstrap):
             session = self._prefix.encode()
             if rank == 0:
                 self._server = StoreServer(host, port, expected_clients=world_size, timeout=timeout, session=session)
-            self._client = StoreClient(host, port, timeout, rank, session=session)
+            try:
+                self._client = StoreClient(host, port, timeout, rank, session=session)
+            except BaseException:
+                if self._server is not None:
+                    self._server.wait_closed(0.0)
+                    self._server = None
+                raise
 
     def allgather(self, value: bytes) -> List[bytes]:
         self._round += 1

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import atexit
+import bisect
+import collections
 import json
 import logging
 import os
@@ -58,6 +60,15 @@ class _CudaBlock:
                                          "strides": None}
 
 
+_MAX_TIMEOUT_S = 1e6  # ~11.6 days: any longer deadline is a mistake, and overflows nanosecond clocks
+
+
+def _check_timeout(value: float, what: str) -> float:
+    if not value > 0 or math.isinf(value) or math.isnan(value) or value > _MAX_TIMEOUT_S:
+        raise ValueError(f"{what} must be a positive number of seconds up to {_MAX_TIMEOUT_S:g}, got {value}")
+    return value
+
+
 def _cuda_device(rank: int, G: int, count: int) -> int:
     """This rank's CUDA device: torch's current device when torch has set one up, else the
     launcher's local rank (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK), else rank mod G."""
@@ -72,43 +83,68 @@ def _cuda_device(rank: int, G: int, count: int) -> int:
 
 
 class _PoolAllocator:
-    """First-fit allocator over the zero-copy pool (offsets in bytes)."""
+    """First-fit allocator over the zero-copy pool (offsets in bytes).
+
+    Blocks come back through weakref finalizers, which can run inside any allocation (a garbage
+    collection) -- also inside alloc() itself, with the lock held. So a finalizer never takes the
+    lock: it queues the block (deque.append is atomic) and the next alloc() or drain() returns it.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._free: List[Tuple[int, int]] = [(0, size)]  # sorted (offset, length)
         self._lock = threading.Lock()
-        self.live = 0
+        self._returned: "collections.deque[Tuple[int, int]]" = collections.deque()
+        self._allocated = 0  # blocks handed out, ever
+        self._released = 0   # blocks returned, ever (under the lock)
+
+    @staticmethod
+    def _rounded(nbytes: int) -> int:
+        return max(_POOL_ALIGN, (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN)
+
+    def _drain_locked(self) -> None:
+        while self._returned:
+            off, need = self._returned.popleft()
+            bisect.insort(self._free, (off, need))
+            self._released += 1
+        merged: List[Tuple[int, int]] = []
+        for o, n in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((o, n))
+        self._free = merged
 
     def alloc(self, nbytes: int) -> Optional[int]:
-        need = max(_POOL_ALIGN, (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN)
+        need = self._rounded(nbytes)
         with self._lock:
+            self._drain_locked()
             for i, (off, length) in enumerate(self._free):
                 if length >= need:
                     if length == need:
                         del self._free[i]
                     else:
                         self._free[i] = (off + need, length - need)
-                    self.live += 1
+                    self._allocated += 1
                     return off
         return None
 
-    def free(self, off: int, nbytes: int) -> None:
-        need = max(_POOL_ALIGN, (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN)
-        with self._lock:
-            self._free.append((off, need))
-            self._free.sort()
-            merged: List[Tuple[int, int]] = []
-            for o, n in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == o:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((o, n))
-            self._free = merged
-            self.live -= 1
+    def release(self, off: int, nbytes: int) -> None:
+        """From a finalizer: lock-free."""
+        self._returned.append((off, self._rounded(nbytes)))
+
+    def live(self) -> int:
+        """Blocks still out (drains what came back, if the lock is free now)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_locked()
+            finally:
+                self._lock.release()
+        return self._allocated - self._released - len(self._returned)
 
     def largest_free(self) -> int:
         with self._lock:
+            self._drain_locked()
             return max((n for _, n in self._free), default=0)
 
 
@@ -181,42 +217,46 @@ class Communicator:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self._device = device
-        timeout = float(timeout) if timeout is not None else (env.get_float("NVRAR_TIMEOUT_S") or 60.0)
-        if not timeout > 0 or math.isinf(timeout) or math.isnan(timeout):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-        if max_bytes is None:
-            max_bytes = env.get_bytes("NVRAR_MAX_BYTES") or _DEFAULT_MAX_BYTES[device]
-        if heap_bytes is None:
-            heap_bytes = env.get_bytes("NVRAR_HEAP_BYTES")
-            heap_bytes = _DEFAULT_HEAP_BYTES[device] if heap_bytes is None else heap_bytes
-        max_bytes, heap_bytes = int(max_bytes), int(heap_bytes)
-        if max_bytes < 256:
+        # Arguments are checked here, before any communication: a bad argument is the caller's
+        # own, on every rank alike. Settings from the environment may differ between ranks, so a
+        # bad one is not raised here but exchanged below: then every rank raises, naming it.
+        if timeout is not None:
+            timeout = _check_timeout(float(timeout), "timeout")
+        if max_bytes is not None and int(max_bytes) < 256:
             raise ValueError(f"max_bytes must be at least 256, got {max_bytes}")
-        if heap_bytes < 0:
+        if heap_bytes is not None and int(heap_bytes) < 0:
             raise ValueError(f"heap_bytes must be >= 0, got {heap_bytes}")
         if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
-        self._variant = selector.variant_code(algo if algo is not None else env.get_str("NVRAR_ALGO"))
-        self._timeout = timeout
-
-        boot = _bootstrap.create(group, timeout)
+        if algo is not None:
+            selector.variant_code(algo)
+        try:
+            settings = self._settings(device, max_bytes, heap_bytes, timeout, ranks_per_node, algo)
+            env_error = ""
+        except ValueError as exc:
+            settings, env_error = None, str(exc)
+        boot_timeout = settings["timeout"] if settings else (timeout or 60.0)
+        boot = _bootstrap.create(group, boot_timeout)
         try:
             self._rank, self._world = boot.rank, boot.world_size
-            requested = ranks_per_node if ranks_per_node is not None else env.get_int("NVRAR_RANKS_PER_NODE")
             mine = {
                 "host": socket.gethostname(),
-                "requested": requested,
                 "launcher": boot.launcher_local_size,
-                "max_bytes": max_bytes,
-                "heap_bytes": heap_bytes,
+                "error": env_error,
+                "settings": {k: settings[k] for k in ("requested", "max_bytes", "heap_bytes", "algo")} if settings else None,
             }
             infos = [json.loads(b) for b in boot.allgather(json.dumps(mine).encode())]
+            bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
+            if bad:
+                raise ValueError("Communicator: bad settings on " + "; ".join(f"rank {r}: {e}" for r, e in bad))
             G = self._agree(infos, single_host=device == "cpu")
             self._G = G
+            self._variant = selector.variant_code(settings["algo"])
+            self._timeout = settings["timeout"]
             if device == "cpu":
-                self._setup_cpu(boot, G, max_bytes, heap_bytes, timeout)
+                self._setup_cpu(boot, G, settings)
             else:
-                self._setup_gpu(boot, G, max_bytes, heap_bytes, timeout)
+                self._setup_gpu(boot, G, settings)
         except BaseException:
             if self._ex is not None:
                 self._ex.close()
@@ -224,23 +264,55 @@ class Communicator:
             self._closed = True
             raise
         finally:
-            boot.close()
+            if boot is not group:  # a Bootstrap the caller passed in stays the caller's
+                boot.close()
         self._bootstrap_kind = boot.kind
         self._pool = _PoolAllocator(self._ex.pool_bytes)
         self._pool_base = self._ex.pool_address
         self._all_reduce = self._ex.all_reduce  # bound once: the per-call path stays short
         _live.add(self)
 
-    def _setup_cpu(self, boot: Any, G: int, max_bytes: int, heap_bytes: int, timeout: float) -> None:
+    @staticmethod
+    def _settings(device: str, max_bytes: Optional[int], heap_bytes: Optional[int], timeout: Optional[float],
+                  ranks_per_node: Optional[int], algo: Optional[str]) -> dict:
+        """Every setting, arguments first, then NVRAR_* variables, then defaults (ValueError if bad)."""
+        if timeout is None:
+            timeout = env.get_float("NVRAR_TIMEOUT_S")
+            timeout = 60.0 if timeout is None else _check_timeout(timeout, "NVRAR_TIMEOUT_S")
+        if max_bytes is None:
+            max_bytes = env.get_bytes("NVRAR_MAX_BYTES")
+            max_bytes = _DEFAULT_MAX_BYTES[device] if max_bytes is None else max_bytes
+            if max_bytes < 256:
+                raise ValueError(f"NVRAR_MAX_BYTES must be at least 256, got {max_bytes}")
+        if heap_bytes is None:
+            heap_bytes = env.get_bytes("NVRAR_HEAP_BYTES")
+            heap_bytes = _DEFAULT_HEAP_BYTES[device] if heap_bytes is None else heap_bytes
+        requested = ranks_per_node if ranks_per_node is not None else env.get_int("NVRAR_RANKS_PER_NODE")
+        if requested is not None and requested < 1:
+            raise ValueError(f"NVRAR_RANKS_PER_NODE must be >= 1, got {requested}")
+        algo = algo if algo is not None else (env.get_str("NVRAR_ALGO") or "auto")
+        selector.variant_code(algo)
+        out = {"timeout": timeout, "max_bytes": int(max_bytes), "heap_bytes": int(heap_bytes),
+               "requested": requested, "algo": algo}
+        if device == "cpu":
+            out["jitter_us"] = env.get_float("NVRAR_JITTER_US") or 0.0
+            out["jitter_seed"] = env.get_int("NVRAR_JITTER_SEED") or 0
+            cma = env.get_int("NVRAR_CMA")
+            out["cma"] = cma is None or cma != 0
+            out["cma_min"] = selector.cma_min_bytes("cpu", 1)
+            out["ll_max"] = selector.ll_max_bytes("cpu")
+        else:
+            out["ll_max"] = selector.ll_max_bytes("cuda")
+        env.get_bytes("NVRAR_ONESHOT_MAX_BYTES")  # parsed now: a bad value is reported with the rest
+        return out
+
+    def _setup_cpu(self, boot: Any, G: int, st: dict) -> None:
         from . import _C
 
         oneshot = selector.oneshot_max_bytes("cpu", self._world, G)
-        jitter = env.get_float("NVRAR_JITTER_US") or 0.0
-        seed = env.get_int("NVRAR_JITTER_SEED") or 0
-        cma = env.get_int("NVRAR_CMA")
-        self._ex = _C.CpuExecutor(self._rank, self._world, G, max_bytes, heap_bytes, oneshot, timeout,
-                                  jitter, seed, cma != 0, selector.cma_min_bytes("cpu", G),
-                                  selector.cma_piece_bytes("cpu", G), selector.ll_max_bytes("cpu"))
+        self._ex = _C.CpuExecutor(self._rank, self._world, G, st["max_bytes"], st["heap_bytes"], oneshot, st["timeout"],
+                                  st["jitter_us"], st["jitter_seed"], st["cma"], st["cma_min"],
+                                  selector.cma_piece_bytes("cpu", G), st["ll_max"])
         names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
         status = {"error": "", "cma": False}
         try:
@@ -256,14 +328,14 @@ class Communicator:
         # Cross-memory access only if every rank can reach every other (all decide alike).
         self._ex.enable_cma(all(s["cma"] for s in statuses))
 
-    def _setup_gpu(self, boot: Any, G: int, max_bytes: int, heap_bytes: int, timeout: float) -> None:
+    def _setup_gpu(self, boot: Any, G: int, st: dict) -> None:
         from . import _gpu
 
         # Everything that can fail locally is checked, and the verdicts exchanged, before the
         # collective NVSHMEM setup: a rank must not leave the others waiting in it.
         mod, err = _gpu.load()
         launch = selector.gpu_launch("cuda", G)
-        oneshot, ll = selector.oneshot_max_bytes("cuda", self._world, G), selector.ll_max_bytes("cuda")
+        oneshot, ll = selector.oneshot_max_bytes("cuda", self._world, G), st["ll_max"]
         settings = [oneshot, ll, launch["max_blocks"], launch["threads"], launch["block_bytes"]]
         status = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1, "settings": settings}
         if mod is not None:
@@ -283,18 +355,19 @@ class Communicator:
                              "launch); per rank: " + "; ".join(f"rank {r}: {s['settings']}" for r, s in enumerate(statuses)))
         uid = boot.allgather(mod.unique_id() if self._rank == 0 else b"")[0]
         self._cuda_device = status["device"]
-        self._ex = mod.GpuExecutor(self._rank, self._world, G, status["device"], max_bytes, heap_bytes, oneshot, ll,
-                                   timeout, launch["max_blocks"], launch["threads"], launch["block_bytes"], uid)
+        self._ex = mod.GpuExecutor(self._rank, self._world, G, status["device"], st["max_bytes"], st["heap_bytes"],
+                                   oneshot, ll, st["timeout"], launch["max_blocks"], launch["threads"],
+                                   launch["block_bytes"], uid)
         for line in mod.env_set_by_nvrar():
             _log.info("nvrar: set %s (not set by the user)", line)
 
     def _agree(self, infos: Sequence[dict], single_host: bool = True) -> int:
         """Ranks per node, identical on every rank (every rank evaluates the same list)."""
         W = len(infos)
-        for key in ("requested", "max_bytes", "heap_bytes"):
-            values = {json.dumps(i[key]) for i in infos}
+        for key in ("requested", "max_bytes", "heap_bytes", "algo"):
+            values = {json.dumps(i["settings"][key]) for i in infos}
             if len(values) > 1:
-                per_rank = ", ".join(f"rank {r}: {i[key]}" for r, i in enumerate(infos))
+                per_rank = ", ".join(f"rank {r}: {i['settings'][key]}" for r, i in enumerate(infos))
                 raise ValueError(f"Communicator: ranks disagree on {key} ({per_rank}); pass the same value everywhere")
         hosts = [i["host"] for i in infos]
         if single_host and len(set(hosts)) > 1:
@@ -302,7 +375,7 @@ class Communicator:
                 "Communicator: the CPU executor needs every rank on one host (shared memory), but ranks run on "
                 f"{sorted(set(hosts))}; multi-node runs need device='cuda'"
             )
-        G = infos[0]["requested"]
+        G = infos[0]["settings"]["requested"]
         if G is None:
             launcher = {i["launcher"] for i in infos}
             G = launcher.pop() if len(launcher) == 1 and None not in launcher else hosts.count(hosts[0])
@@ -540,8 +613,8 @@ class Communicator:
         return torch.from_numpy(raw).view(dt).reshape(shape_t)
 
     def _release_block(self, pool: _PoolAllocator, off: int, nbytes: int, ex: Any) -> None:
-        pool.free(off, nbytes)
-        if self._closed and pool.live == 0 and ex is not None:
+        pool.release(off, nbytes)
+        if self._closed and self._device == "cpu" and pool.live() == 0 and ex is not None:
             ex.close()  # close() deferred the unmapping until the last block died
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -565,7 +638,9 @@ class Communicator:
         if self._device == "cuda":
             if _collective:
                 ex.close()
-        elif getattr(self, "_pool", None) is None or self._pool.live == 0:
+            else:
+                ex.abandon()
+        elif getattr(self, "_pool", None) is None or self._pool.live() == 0:
             ex.close()
 
     def __enter__(self) -> "Communicator":

@@ -6,6 +6,7 @@ the built-in defaults.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
@@ -26,13 +27,13 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar("NVRAR_TIMEOUT_S", "60", "Deadline of every wait of a collective and of the bootstrap, in seconds."),
         EnvVar(
             "NVRAR_MAX_BYTES",
-            "4M",
+            "4M (CPU), 16M (GPU)",
             "Largest chunk one protocol round reduces (the symmetric staging buffer); larger messages "
             "run in chunks. Accepts 64K, 4M, ... Must be equal on every rank.",
         ),
         EnvVar(
             "NVRAR_HEAP_BYTES",
-            "32M",
+            "32M (CPU), 64M (GPU)",
             "Size of the zero-copy pool that Communicator.empty() allocates from, per rank.",
         ),
         EnvVar(
@@ -103,6 +104,8 @@ def parse_bytes(text: str) -> int:
         value = float(num)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 2M)") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 2M)")
     result = int(value * _SUFFIX[suffix])
     if result < 0 or result != value * _SUFFIX[suffix]:
         raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")
@@ -116,15 +119,15 @@ def _raw(name: str) -> Optional[str]:
     return value or None
 
 
-def _get(name: str, parse: Callable[[str], object], default: Optional[str] = None):
+def _get(name: str, parse: Callable[[str], object]):
+    """The parsed value of a set variable, or None when unset (each caller applies its default;
+    the defaults in VARIABLES document them)."""
     raw = _raw(name)
     if raw is None:
-        raw = default if default is not None else VARIABLES[name].default
-        if raw == "":
-            return None
+        return None
     try:
         return parse(raw)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         raise ValueError(f"{name}={raw!r}: {exc}") from None
 
 

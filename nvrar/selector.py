@@ -148,16 +148,22 @@ class Table:
         self.device = device
         self.world_size = world_size
         self.ranks_per_node = ranks_per_node
-        self.buckets = [(None if b["max_bytes"] is None else int(b["max_bytes"]), str(b["choice"])) for b in buckets]
         self.source = source
-        if not self.buckets:
+        if not isinstance(buckets, list) or not buckets:
             raise ValueError(f"tuning table {source}: no buckets")
-        for limit, choice in self.buckets:
+        self.buckets = []
+        for b in buckets:
+            if not isinstance(b, dict) or set(b) != {"max_bytes", "choice"}:
+                raise ValueError(f"tuning table {source}: a bucket must be {{max_bytes, choice}}, got {b!r}")
+            limit, choice = b["max_bytes"], b["choice"]
+            if limit is not None and (type(limit) is not int or limit < 0):
+                raise ValueError(f"tuning table {source}: max_bytes must be a non-negative int or null, got {limit!r}")
             if choice != NATIVE and choice not in VARIANTS:
                 raise ValueError(f"tuning table {source}: unknown choice {choice!r}")
+            self.buckets.append((limit, str(choice)))
         limits = [l for l, _ in self.buckets if l is not None]
-        if limits != sorted(limits) or any(l is None for l, _ in self.buckets[:-1]):
-            raise ValueError(f"tuning table {source}: buckets must ascend, and only the last may be unbounded")
+        if any(a >= b for a, b in zip(limits, limits[1:])) or any(l is None for l, _ in self.buckets[:-1]):
+            raise ValueError(f"tuning table {source}: limits must strictly ascend, and only the last may be unbounded")
 
     def choice(self, nbytes: int) -> str:
         for limit, choice in self.buckets:

@@ -36,7 +36,9 @@ from .errors import NvrarError
 
 __all__ = ["all_reduce", "patch", "communicator", "decide", "stats", "reset", "Work"]
 
-_OP_NAMES = {"SUM": "sum", "MAX": "max", "MIN": "min", "AVG": "avg"}
+# Every torch.distributed.ReduceOp by its canonical name; nvrar serves sum/max/min/avg, the group's
+# own backend the rest.
+_REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32"}
 
 # The original torch.distributed.all_reduce: the native path, also while patch() is active.
@@ -74,13 +76,26 @@ class _Group:
     def __init__(self, group: Any, device: str) -> None:
         self.group = group
         self.device = device
+        self.counts = {"nvrar": 0, "native": 0}
+        self.comm: Optional[Communicator] = None
+        self.table = None
+        self.world = dist.get_world_size(group)
+        self.G = 1
+        self.native_only = ""  # why nvrar cannot serve this group and device ("": it can)
         if device not in ("cpu", "cuda"):
-            raise NvrarError(f"nvrar.torch: nvrar does not serve tensors on {device}")
-        self.comm = Communicator(group=group, device=device)
-        self.world = self.comm.world_size
+            self.native_only = f"nvrar does not serve tensors on {device}"
+            return
+        try:
+            self.comm = Communicator(group=group, device=device)
+        except NvrarError as exc:
+            # Setup verdicts are exchanged between the ranks before anything can fail alone, so
+            # every rank lands here together, and the group's own backend serves it from now on.
+            self.native_only = str(exc)
+            warnings.warn(f"nvrar.torch: nvrar cannot serve this group on {device} ({exc}); its own backend will",
+                          RuntimeWarning, stacklevel=4)
+            return
         self.G = self.comm.ranks_per_node
         self.table = self._agreed_table()
-        self.counts = {"nvrar": 0, "native": 0}
 
     def _agreed_table(self) -> Optional[selector.Table]:
         """The tuning table, if every rank loaded the same one; else none on every rank."""
@@ -89,8 +104,8 @@ class _Group:
         try:
             table = load_table(self.device, self.world, self.G)
             mine = table.fingerprint() if table is not None else "none"
-        except (OSError, ValueError) as exc:
-            table, mine = None, f"error: {exc}"
+        except Exception as exc:  # any unreadable table: never leave the other ranks waiting below
+            table, mine = None, f"error: {type(exc).__name__}: {exc}"
         prints = [None] * self.world
         dist.all_gather_object(prints, mine, group=self.group)
         if len(set(prints)) > 1:
@@ -104,6 +119,8 @@ class _Group:
         return table
 
     def decide(self, dtype: str, op: str, nbytes: int) -> str:
+        if self.native_only:
+            return selector.NATIVE
         return selector.select(self.device, self.world, self.G, dtype, op, nbytes, self.table)
 
 
@@ -132,26 +149,41 @@ def _state(group: Any, device: str) -> _Group:
 
 def communicator(group: Any = None, device: str = "cpu") -> Communicator:
     """The nvrar Communicator behind ``group`` (created on first use; collective)."""
-    return _state(_resolve(group), device).comm
+    st = _state(_resolve(group), device)
+    if st.comm is None:
+        raise NvrarError(f"nvrar.torch: no nvrar communicator for this group on {device}: {st.native_only}")
+    return st.comm
 
 
-def _op_name(op: Any) -> Optional[str]:
+def _op_name(op: Any) -> str:
+    """Canonical lower-case name of a ReduceOp or op string ("sum", "product", ...)."""
     if isinstance(op, str):
-        return op.lower() if op.lower() in selector.SUPPORTED_OPS else None
+        name = op.lower()
+        if name.upper() not in _REDUCE_OPS:
+            raise ValueError(f"nvrar.torch: unknown reduction {op!r}; use a torch.distributed.ReduceOp or one of "
+                             f"{', '.join(n.lower() for n in _REDUCE_OPS)}")
+        return name
     name = getattr(op, "name", None)
-    if name is None:
-        for member, short in _OP_NAMES.items():
-            if op == getattr(dist.ReduceOp, member):
-                return short
-        return None
-    return _OP_NAMES.get(name)
+    if name is None:  # ReduceOp instances compare equal to their RedOpType member
+        for member in _REDUCE_OPS:
+            if hasattr(dist.ReduceOp, member) and op == getattr(dist.ReduceOp, member):
+                return member.lower()
+        raise ValueError(f"nvrar.torch: unsupported reduction {op!r} (a PREMUL_SUM or custom op?)")
+    if name.upper() not in _REDUCE_OPS:
+        raise ValueError(f"nvrar.torch: unsupported reduction {op!r}")
+    return name.lower()
+
+
+def _native_op(name: str) -> Any:
+    return getattr(dist.ReduceOp, name.upper())
 
 
 def decide(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> str:
-    """What ``all_reduce(tensor, op, group)`` would run: an nvrar variant or "native"."""
+    """What ``all_reduce(tensor, op, group)`` would run: an nvrar variant or "native".
+    Collective the first time a group and device are used (it creates the communicator)."""
     st = _state(_resolve(group), tensor.device.type)
     dtype = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
-    return st.decide(dtype, _op_name(op) or "unsupported", tensor.numel() * tensor.element_size())
+    return st.decide(dtype, _op_name(op), tensor.numel() * tensor.element_size())
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
@@ -160,17 +192,18 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
     In place; returns None, or a work handle with ``wait()`` when ``async_op=True``. Under
     torch.compile this records the custom op ``torch.ops.nvrar.all_reduce_``.
     """
+    name = _op_name(op)
     if torch.compiler.is_compiling():
-        torch.ops.nvrar.all_reduce_(tensor, _op_name(op) or str(op), _group_name(group))
-        return None
+        # Recorded as the custom op; its implementation decides (nvrar or native) at run time.
+        torch.ops.nvrar.all_reduce_(tensor, name, _group_name(group))
+        return Work(tensor) if async_op else None
     group = _resolve(group)
     st = _state(group, tensor.device.type)
-    name = _op_name(op)
     dtype = _DTYPE_NAMES.get(tensor.dtype)
-    choice = st.decide(dtype or str(tensor.dtype), name or "unsupported", tensor.numel() * tensor.element_size())
+    choice = st.decide(dtype or str(tensor.dtype), name, tensor.numel() * tensor.element_size())
     if choice == selector.NATIVE:
         st.counts["native"] += 1
-        return _native_all_reduce(tensor, op, group=group, async_op=async_op)
+        return _native_all_reduce(tensor, _native_op(name), group=group, async_op=async_op)
     st.counts["nvrar"] += 1
     algo = None if choice == "auto" else choice
     if tensor.is_contiguous():
@@ -192,7 +225,8 @@ def reset() -> None:
     """Close every communicator nvrar.torch created (before destroy_process_group)."""
     with _lock:
         for st in _groups.values():
-            st.comm.close()
+            if st.comm is not None:
+                st.comm.close()
         _groups.clear()
 
 
@@ -239,10 +273,13 @@ class patch:
 
     _depth = 0
     _lock = threading.Lock()
+    _saved: Tuple[Any, Any] = (None, None)
 
     def __enter__(self) -> "patch":
         with patch._lock:
             if patch._depth == 0:
+                # Whatever is installed now comes back on exit (another library's patch included).
+                patch._saved = (dist.all_reduce, dist.distributed_c10d.all_reduce)
                 dist.all_reduce = all_reduce
                 dist.distributed_c10d.all_reduce = all_reduce
             patch._depth += 1
@@ -252,8 +289,7 @@ class patch:
         with patch._lock:
             patch._depth -= 1
             if patch._depth == 0:
-                dist.all_reduce = _native_all_reduce
-                dist.distributed_c10d.all_reduce = _native_all_reduce
+                dist.all_reduce, dist.distributed_c10d.all_reduce = patch._saved
 
     def __call__(self, fn: Callable) -> Callable:
         @functools.wraps(fn)

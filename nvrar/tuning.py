@@ -83,6 +83,9 @@ def buckets_from_measurements(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]
     winners = []
     for size in sizes:
         at = [r for r in rows if r["bytes"] == size and r["wrong"] == 0]
+        if not at:  # nothing ran correctly at this size: leave it to the native backend
+            winners.append((size, NATIVE))
+            continue
         best = min(at, key=lambda r: r["median_us"])
         winners.append((size, NATIVE if best["backend"] != "nvrar" else best["algorithm"]))
     buckets: List[Dict[str, Any]] = []
@@ -135,12 +138,13 @@ def register(sub: "argparse._SubParsersAction") -> None:
                                    "loads. Launches its ranks like nvrar-bench.")
     add_arguments(p)
     p.add_argument("-o", "--output", default=None, help=f"table file (default NVRAR_TUNING_FILE or {tuning_path()})")
-    p.set_defaults(func=_run, iters=60, max_bytes=16 << 20)
+    p.set_defaults(func=_run, iters=60, max_bytes=16 << 20, _parser=p)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .bench import run
+    from .bench import _validate, run
 
+    _validate(args._parser, args)
     argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "tune" else []
     args.tune = True
     return run(args, argv, module="nvrar.tuning")

@@ -239,4 +239,5 @@ def bad_input_cases(torch: Any) -> Dict[str, Tuple[Callable[[Any], Any], str, st
         "reduceop_product": (lambda c: c.all_reduce(np.zeros(4, np.float32), op=dist.ReduceOp.PRODUCT), "ValueError", "PRODUCT"),
         "wrong_device": (lambda c: c.all_reduce(torch.zeros(4, device="meta")), "ValueError", "meta"),
         "unknown_algo": (lambda c: c.all_reduce(np.zeros(4, np.float32), algo="three-shot"), "ValueError", "three-shot"),
+        "negated_view": (lambda c: c.all_reduce(torch._neg_view(torch.ones(4))), "ValueError", "negated"),
     }

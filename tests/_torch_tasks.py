@@ -79,6 +79,13 @@ def task_compile(args: dict) -> dict:
         h = torch.relu(x @ w_col[:, shard])
         return x + torch.ops.nvrar.all_reduce(h @ w_row[shard], "sum", "")
 
+    def product_async(x):  # an op nvrar does not do (native at run time), and a work handle
+        y = x * 1.0
+        nt.all_reduce(y, dist.ReduceOp.PRODUCT)
+        w = nt.all_reduce(x, async_op=True)
+        w.wait()
+        return x + y
+
     x = torch.randint(-3, 4, (8, 64)).float()
     want = tp_layer(x.clone())
     res = {"backend": args["backend"]}
@@ -86,6 +93,10 @@ def task_compile(args: dict) -> dict:
         compiled = torch.compile(fn, fullgraph=True, backend=args["backend"])
         got = compiled(x.clone())
         res[name] = bool(torch.equal(got, want))
+    world = dist.get_world_size()
+    p = torch.full((4,), 2.0)
+    got = torch.compile(product_async, fullgraph=True, backend=args["backend"])(p.clone())
+    res["product_async"] = bool(torch.equal(got, torch.full((4,), 2.0 * world + 2.0 ** world)))
     res["calls"] = nt.stats()
     nt.reset()
     dist.destroy_process_group()
@@ -133,6 +144,16 @@ def task_patch(args: dict) -> dict:
     res["restored_after_decorator"] = dist.all_reduce is nt._native_all_reduce
     w = nt.all_reduce(torch.ones(100), async_op=True)
     res["async_ok"] = bool(w.wait()) and bool(torch.all(w.result()[0] == world))
+    # String ops reach the native backend too (custom ops always pass strings)
+    g = torch.ops.nvrar.all_reduce(torch.ones(6, dtype=torch.float64), "sum", "")
+    h = torch.ones(6, dtype=torch.float64)
+    nt.all_reduce(h, "max")
+    res["string_op_native_ok"] = bool(torch.all(g == world)) and bool(torch.all(h == 1))
+    try:
+        nt.all_reduce(torch.ones(2), "median")
+        res["bad_op"] = None
+    except ValueError as exc:
+        res["bad_op"] = str(exc)
     nt.reset()
     dist.destroy_process_group()
     return res

@@ -133,7 +133,36 @@ def task_torchgroup(args: dict) -> dict:
     return out
 
 
-TASKS = {"matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+def task_close_race(args: dict) -> dict:
+    """Rank 0: a thread waits in all_reduce (rank 1 never calls) while the main thread closes the
+    communicator: the call must raise, close must return, nothing may crash."""
+    import threading
+
+    comm = nvrar.Communicator(ranks_per_node=args["G"], timeout=30)
+    if comm.rank != 0:
+        time.sleep(4)
+        return {"waited": True}
+    out = {}
+
+    def call():
+        try:
+            comm.all_reduce(np.ones(100000, np.float32))
+            out["thread"] = "no error"
+        except Exception as exc:
+            out["thread"] = f"{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    comm.close()
+    out["close_s"] = time.monotonic() - t0
+    t.join(timeout=20)
+    out["joined"] = not t.is_alive()
+    return out
+
+
+TASKS = {"close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup}
 
 

@@ -132,6 +132,8 @@ def test_algorithm_for_and_bad_options():
         nvrar.Communicator(algo="bogus")
     with pytest.raises(ValueError, match="timeout"):
         nvrar.Communicator(timeout=0)
+    with pytest.raises(ValueError, match="timeout"):
+        nvrar.Communicator(timeout=1e10)
     with pytest.raises(ValueError, match="max_bytes"):
         nvrar.Communicator(max_bytes=10)
     with pytest.raises(ValueError, match="ranks_per_node"):
@@ -182,3 +184,40 @@ def test_build_info_reports_cpu_executor():
     info = nvrar.build_info()
     assert {"cuda", "nvshmem_version", "cuda_archs"} <= set(info)
     assert info["cpu_executor"] is True
+
+
+def test_orphaned_segment_of_a_dead_process_is_swept(tmp_path):
+    """A segment left by a process that died during setup (its pid gone, older than any setup)
+    is unlinked by the next Communicator of the same user."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    name = f"/dev/shm/nvrar-{pid}-{'0' * 32}"
+    with open(name, "wb") as f:
+        f.write(b"x")
+    old = os.stat(name).st_mtime - 7200
+    os.utime(name, (old, old))
+    fresh = f"/dev/shm/nvrar-{pid}-{'1' * 32}"
+    with open(fresh, "wb") as f:
+        f.write(b"x")
+    try:
+        nvrar.Communicator().close()
+        assert not os.path.exists(name), "orphan not swept"
+        assert os.path.exists(fresh), "a recent segment must be left alone (its setup may be running)"
+    finally:
+        for n in (name, fresh):
+            if os.path.exists(n):
+                os.unlink(n)
+
+
+def test_block_returned_while_the_pool_lock_is_held_does_not_deadlock():
+    """A garbage collection can finalize an empty() block inside alloc(), with the pool lock held."""
+    code = ("import gc, numpy as np, nvrar\n"
+            "c = nvrar.Communicator(heap_bytes=1 << 20)\n"
+            "a = c.empty(1000, np.float32)\n"
+            "with c._pool._lock:\n"
+            "    del a\n"
+            "    gc.collect()\n"
+            "b = c.empty(200000, np.float32)\n"
+            "print('ok', c._pool.live())\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.split() == ["ok", "1"], res.stdout + res.stderr

@@ -107,3 +107,22 @@ def test_rank_that_never_starts_times_out_in_bootstrap():
         exc = r.report["exception"]
         assert exc["is_timeout"], exc
         assert "rank 2" in exc["message"], exc["message"]
+
+
+def test_close_from_another_thread_during_a_call():
+    res = launch(2, "close_race", {"G": 2}, timeout=120)
+    rep = res[0].report
+    assert res[0].returncode == 0 and rep is not None, describe(res)
+    assert rep["joined"] and rep["close_s"] < 10
+    assert "closed by another thread" in rep["thread"], rep
+
+
+def test_bad_environment_on_one_rank_is_reported_by_every_rank():
+    t0 = time.monotonic()
+    res = launch(2, "fault", {"G": 2, "victim": -1, "mode": "none", "timeout": 30, "at": 0},
+                 per_rank_env=[{}, {"NVRAR_JITTER_US": "abc"}], timeout=120)
+    assert time.monotonic() - t0 < 25, "a bad setting must not cost the others the bootstrap deadline"
+    for r in res:
+        assert r.returncode == 1
+        exc = r.report["exception"]
+        assert exc["type"] == "ValueError" and "rank 1" in exc["message"] and "NVRAR_JITTER_US" in exc["message"], exc

@@ -28,6 +28,7 @@ def test_torch_compile_fullgraph(world, backend):
     reports = assert_all_ok(launch(world, "compile", {"backend": backend}, timeout=400))
     for rep in reports:
         assert rep["inplace"] and rep["functional"], rep
+        assert rep["product_async"], rep  # PRODUCT went native, async_op gave a work handle
         assert rep["calls"]["nvrar"] >= 3  # eager reference + both compiled functions ran nvrar
 
 
@@ -38,9 +39,11 @@ def test_patch_routes_unchanged_code():
         assert rep["restored"] and rep["restored_after_decorator"]
         assert rep["values_ok"]
         assert rep["nvrar_delta"] == 2      # float32 sum x2 (outer + nested)
-        assert rep["native_delta"] == 2     # float64, PRODUCT
+        assert rep["native_delta"] == 2     # float64, PRODUCT (before the string-op calls)
         assert rep["after_decorator"] == 1
         assert rep["async_ok"]
+        assert rep["string_op_native_ok"]
+        assert rep["bad_op"] and "median" in rep["bad_op"]
 
 
 def write_table(path, world, G, buckets):
@@ -98,3 +101,41 @@ def test_nvrar_tune_writes_a_table_that_nvrar_torch_uses(tmp_path):
     reports = assert_all_ok(launch(2, "select", {"calls": [8192]}, env={"NVRAR_TUNING_FILE": str(out)}))
     assert reports[0]["window"] is not None and reports[0]["grid"] == reports[1]["grid"]
     print(res.stdout)
+
+
+def test_tuning_table_validation():
+    from nvrar.selector import Table
+
+    good = [{"max_bytes": 1024, "choice": "one-shot"}, {"max_bytes": None, "choice": "native"}]
+    assert Table("cpu", 2, 2, good).choice(1000) == "one-shot"
+    bad = [
+        [],
+        [{"max_bytes": -5, "choice": "auto"}],
+        [{"max_bytes": 10, "choice": "auto"}, {"max_bytes": 10, "choice": "native"}],
+        [{"max_bytes": 1.9, "choice": "one-shot"}],
+        [{"max_bytes": True, "choice": "one-shot"}],
+        [{"max_bytes": None, "choice": "auto"}, {"max_bytes": 5, "choice": "native"}],
+        [{"max_bytes": 5, "choice": "four-shot"}],
+        [{"limit": 5, "choice": "auto"}],
+        ["not a dict"],
+    ]
+    for buckets in bad:
+        with pytest.raises(ValueError):
+            Table("cpu", 2, 2, buckets)
+
+
+def test_bad_tuning_file_on_one_rank_does_not_hang_the_others(tmp_path):
+    good, broken = tmp_path / "a.json", tmp_path / "b.json"
+    write_table(good, 2, 2, WINDOW)
+    broken.write_text(json.dumps({"format": "nvrar-tuning-1", "tables": [{"device": "cpu", "world_size": 2,
+                                                                            "ranks_per_node": 2}]}))
+    reports = assert_all_ok(launch(2, "select", {}, per_rank_env=[{"NVRAR_TUNING_FILE": str(good)},
+                                                                   {"NVRAR_TUNING_FILE": str(broken)}], timeout=120))
+    assert reports[0]["grid"] == reports[1]["grid"]
+    assert all(r["window"] is None for r in reports)
+
+
+def test_nvrar_tune_rejects_bad_arguments(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "nvrar.cli", "tune", "--iters", "0"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert res.returncode == 2 and "--iters" in res.stderr

@@ -26,6 +26,7 @@ constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a 
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
 constexpr double kQuiesceMaxS = 5.0;  // longest a failing rank waits for peers to stop touching its buffers (s)
+constexpr double kMaxTimeoutS = 1e6;  // deadlines saturate here (a nanosecond clock overflows past ~292 years)
 
 // Host-side header at the start of every segment (page 0). Written by its owner at creation;
 // the call fields are rewritten (relaxed) at the start of every call, before its first flag.
@@ -106,7 +107,8 @@ CpuConfig checked(CpuConfig c) {
   NVRAR_CHECK(c.ranks_per_node >= 1 && c.world % c.ranks_per_node == 0, "ranks_per_node=", c.ranks_per_node,
               " must divide the world size ", c.world);
   NVRAR_CHECK(c.max_bytes >= kMinChunkBytes, "max_bytes must be at least ", kMinChunkBytes, ", got ", c.max_bytes);
-  NVRAR_CHECK(c.timeout_s > 0, "timeout must be positive, got ", c.timeout_s);
+  NVRAR_CHECK(c.timeout_s > 0 && c.timeout_s <= kMaxTimeoutS, "timeout must be in (0, ", kMaxTimeoutS, "] s, got ",
+              c.timeout_s);
   c.max_bytes = c.max_bytes / 64 * 64;  // chunk starts keep 64-byte alignment
   c.cma_piece_bytes = std::max<size_t>(c.cma_piece_bytes / 64 * 64, 4096);
   return c;
@@ -164,7 +166,13 @@ void CpuExecutor::enable_cma(bool on) {
 
 CpuExecutor::~CpuExecutor() { close(); }
 
-void CpuExecutor::close() { heap_.release(); }
+// Safe against a call in flight on another thread: it is told to stop (it raises), and the
+// memory goes only once it has left.
+void CpuExecutor::close() {
+  closing_.store(true, std::memory_order_release);
+  std::lock_guard<std::mutex> lock(busy_);
+  heap_.release();
+}
 
 void CpuExecutor::attach(const std::vector<std::string>& names) {
   heap_.attach(names);
@@ -205,6 +213,7 @@ Variant CpuExecutor::resolve(Variant v, size_t bytes) const {
 }
 
 void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant) {
+  NVRAR_CHECK(!closing_.load(std::memory_order_acquire), "all_reduce: the communicator is closed");
   std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
   NVRAR_CHECK(lock.owns_lock(), "all_reduce: another thread is using this communicator; calls on one "
               "communicator must be serialized");
@@ -380,12 +389,15 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto deadline =
-      start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(cfg_.timeout_s));
+  const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(
+                                    std::min(cfg_.timeout_s, kMaxTimeoutS)));
   auto next_liveness = start + kLivenessPeriod;
   for (uint64_t it = 0;; ++it) {
     if (ready()) return;
     if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+    if (closing_.load(std::memory_order_relaxed))
+      fail(ProtocolError::Kind::kViolation, "the communicator was closed by another thread during the call", site,
+           epoch, 0);
     if (it < spin_iters_) {
       cpu_relax();
       continue;
@@ -544,7 +556,8 @@ void CpuExecutor::jitter() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(us);
     while (std::chrono::steady_clock::now() < until) cpu_relax();
   } else {
-    struct timespec ts = {0, static_cast<long>(us * 1000)};
+    const long long ns = static_cast<long long>(us * 1000);
+    struct timespec ts = {static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
     nanosleep(&ts, nullptr);
   }
 }

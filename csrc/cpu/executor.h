@@ -119,6 +119,7 @@ class CpuExecutor {
   RoundConfig round_cfg_{};
   uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
   uint64_t rng_ = 0;
+  std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
 };
 
 }  // namespace nvrar

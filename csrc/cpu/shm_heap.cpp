@@ -1,6 +1,8 @@
 #include "shm_heap.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -9,7 +11,9 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 
 #include "../common/error.h"
 
@@ -17,6 +21,9 @@ namespace nvrar {
 
 namespace {
 
+// Names carry the creator's pid: /nvrar-<pid>-<128 random bits>. The random part keeps them
+// unguessable; the pid lets a later process recognise a segment whose creator died during setup
+// (after setup every name is unlinked at once, so only a crash inside setup can leave one).
 std::string random_name() {
   unsigned char buf[16];
   size_t got = 0;
@@ -30,7 +37,30 @@ std::string random_name() {
   }
   char hex[33];
   for (int i = 0; i < 16; ++i) std::snprintf(hex + 2 * i, 3, "%02x", buf[i]);
-  return std::string("/nvrar-") + hex;
+  return std::string("/nvrar-") + std::to_string(static_cast<long long>(getpid())) + "-" + hex;
+}
+
+constexpr time_t kOrphanAgeS = 3600;  // an unlinked-not-yet segment this old outlived any setup
+
+// Unlink segments that a process of this user created and left behind by dying during setup:
+// its pid is gone and the segment is older than any setup lasts.
+void sweep_orphans() {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  const time_t now = time(nullptr);
+  while (struct dirent* ent = readdir(dir)) {
+    const std::string name = ent->d_name;
+    if (name.rfind("nvrar-", 0) != 0) continue;
+    const size_t dash = name.find('-', 6);
+    if (dash == std::string::npos) continue;
+    const long long pid = std::atoll(name.substr(6, dash - 6).c_str());
+    struct stat st;
+    if (pid <= 0 || fstatat(dirfd(dir), ent->d_name, &st, 0) != 0) continue;
+    if (st.st_uid != geteuid() || now - st.st_mtime < kOrphanAgeS) continue;
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    shm_unlink(("/" + name).c_str());
+  }
+  closedir(dir);
 }
 
 char* map_fd(int fd, size_t bytes, const std::string& what) {
@@ -52,6 +82,7 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
     NVRAR_CHECK(avail >= bytes, "nvrar: /dev/shm has ", avail, " bytes free but this rank's segment needs ",
                 bytes, "; enlarge /dev/shm (docker: --shm-size) or lower max_bytes / heap_bytes");
   }
+  sweep_orphans();
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
     name_ = random_name();

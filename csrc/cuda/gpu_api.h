@@ -65,7 +65,8 @@ class GpuExecutor {
   uintptr_t pool_address() const;
   size_t pool_bytes() const;
   const GpuConfig& config() const;
-  void close();  // collective (nvshmem_free)
+  void close();    // collective (nvshmem_free)
+  void abandon();  // not collective: stop using it, leave its memory to the end of the process
 
  private:
   struct Impl;

@@ -230,11 +230,16 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   nvshmem_barrier_all();  // every segment is zeroed before anyone signals into it
 }
 
-GpuExecutor::~GpuExecutor() {
-  try {
-    close();
-  } catch (...) {
-  }
+// Not collective: a destructor (garbage collection, interpreter exit) must not wait for peers in
+// nvshmem_free. An executor never closed leaves its memory to the end of the process.
+GpuExecutor::~GpuExecutor() { abandon(); }
+
+void GpuExecutor::abandon() {
+  Impl& I = *impl_;
+  if (I.closed) return;
+  I.closed = true;
+  std::lock_guard<std::mutex> lock(g_mu);
+  --g_users;
 }
 
 void GpuExecutor::close() {

@@ -50,7 +50,8 @@ def speedups(rows: List[Dict[str, Any]]) -> Dict[int, Optional[float]]:
     best = min(peers) if peers else None
     out: Dict[int, Optional[float]] = {}
     for i, r in enumerate(rows):
-        out[i] = best / r["median_us"] if (best is not None and r["backend"] == "nvrar" and r["median_us"] > 0) else None
+        ok = best is not None and r["backend"] == "nvrar" and r["median_us"] > 0 and r["wrong"] == 0
+        out[i] = best / r["median_us"] if ok else None
     return out
 
 

@@ -23,6 +23,8 @@ __all__ = ["run_rank", "sizes_between"]
 
 
 def sizes_between(lo: int, hi: int) -> List[int]:
+    if lo <= 0:
+        raise ValueError(f"the smallest size must be positive, got {lo}")
     out, s = [], lo
     while s <= hi:
         out.append(s)
@@ -54,9 +56,9 @@ def expected(world: int, count: int, op: str, dtype: str) -> np.ndarray:
 
 
 class Control:
-    """The benchmark's own coordination (barrier, per-iteration max, verdicts): on CPU runs a
-    separate nvrar CPU communicator, so that it needs nothing beyond nvrar; on GPU runs (several
-    hosts) torch.distributed's gloo group."""
+    """The benchmark's own coordination (barrier, per-iteration max, #wrong verdicts): the gloo
+    group of torch.distributed whenever it is initialized (so that nvrar never grades itself),
+    else a separate nvrar CPU communicator (a run without torch)."""
 
     def __init__(self, comm: Optional[Communicator]) -> None:
         self.comm = comm
@@ -210,6 +212,7 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
     visit the backends in turn, so that a passing disturbance of the machine hits them alike."""
     esize = DTYPES[args.dtype][2]
     count = size // esize
+    size = count * esize  # what actually moves (a size that is not a whole number of elements rounds down)
     bufs = []
     for b in backends:
         buf = b.alloc(count, args.dtype)
@@ -271,8 +274,8 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     n_sym = ("symmetric" in args.buffers) * len([a for a in args.algos.split(",") if a.strip()])
     n_sym += 2 if (gpu and "nvshmem" in names) else 0
     heap = max(32 << 20, n_sym * (args.max_bytes + 4096) + (1 << 20))
-    ctl_comm = None if gpu else Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout,
-                                             heap_bytes=1 << 16)
+    ctl_comm = None if torch_skip is None else Communicator(ranks_per_node=args.ranks_per_node,
+                                                           timeout=args.timeout, heap_bytes=1 << 16)
     comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap, device=args.device)
     ctl = Control(ctl_comm)
     rank, world = comm.rank, comm.world_size
