@@ -85,7 +85,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     torch.set_num_threads(args.threads)  # ranks share the cores: no intra-op thread pools fighting
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        import datetime
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     block = TPBlock(args.hidden, args.ffn or 4 * args.hidden, args.layers, world, rank, dtype=dtype)
@@ -142,7 +144,20 @@ def spawn(n: int, argv: List[str]) -> int:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
-    return max(p.wait() for p in procs)
+    # A rank that fails stops the others (their collectives would only time out).
+    code = 0
+    while procs:
+        for p in list(procs):
+            rc = p.poll()
+            if rc is None:
+                continue
+            procs.remove(p)
+            if rc != 0:
+                code = code or rc
+                for q in procs:
+                    q.terminate()
+        time.sleep(0.05)
+    return code
 
 
 def main(argv: Optional[List[str]] = None) -> int:
