@@ -19,6 +19,13 @@ def init() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 
 
+def finish() -> None:
+    """Leave together: no rank may exit (tearing down the gloo store that rank 0 hosts) while
+    another still uses the group."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def tp_module():
     spec = importlib.util.spec_from_file_location("tp_decode", os.path.join(HERE, "..", "benchmarks", "tp_decode.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -54,7 +61,7 @@ def task_tp(args: dict) -> dict:
         out["largest"][str(dtype)] = largest[0]
     out["calls"] = nt.stats()
     nt.reset()
-    dist.destroy_process_group()
+    finish()
     return out
 
 
@@ -99,7 +106,7 @@ def task_compile(args: dict) -> dict:
     res["product_async"] = bool(torch.equal(got, torch.full((4,), 2.0 * world + 2.0 ** world)))
     res["calls"] = nt.stats()
     nt.reset()
-    dist.destroy_process_group()
+    finish()
     return res
 
 
@@ -155,7 +162,7 @@ def task_patch(args: dict) -> dict:
     except ValueError as exc:
         res["bad_op"] = str(exc)
     nt.reset()
-    dist.destroy_process_group()
+    finish()
     return res
 
 
@@ -188,7 +195,7 @@ def task_select(args: dict) -> dict:
            "window": list(st.table.window()) if st.table else None,
            "nvrar_delta": after["nvrar"] - before["nvrar"], "native_delta": after["native"] - before["native"]}
     nt.reset()
-    dist.destroy_process_group()
+    finish()
     return res
 
 

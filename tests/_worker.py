@@ -108,6 +108,8 @@ def task_badinput(args: dict) -> dict:
 
 
 def task_torchgroup(args: dict) -> dict:
+    from _torch_tasks import finish
+
     """Bootstrap over torch.distributed (gloo): the default group, then a subgroup."""
     import torch
     import torch.distributed as dist
@@ -129,7 +131,7 @@ def task_torchgroup(args: dict) -> dict:
             x = torch.full((5000,), float(rank), dtype=torch.bfloat16)
             comm.all_reduce(x, "max")
             out["sub"] = {"rank": comm.rank, "world": comm.world_size, "max_ok": bool(torch.all(x == world - 1))}
-    dist.destroy_process_group()
+    finish()
     return out
 
 
