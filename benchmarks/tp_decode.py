@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -134,32 +132,6 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     return result
 
 
-def spawn(n: int, argv: List[str]) -> int:
-    """Started bare: launch n local ranks of this script (torchrun-style environment)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
-    # A rank that fails stops the others (their collectives would only time out).
-    code = 0
-    while procs:
-        for p in list(procs):
-            rc = p.poll()
-            if rc is None:
-                continue
-            procs.remove(p)
-            if rc != 0:
-                code = code or rc
-                for q in procs:
-                    q.terminate()
-        time.sleep(0.05)
-    return code
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,7 +151,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     if "RANK" not in os.environ:
-        return spawn(args.ranks, argv)
+        # Started bare: launch --ranks local ranks of this script (a failing rank stops the others).
+        from nvrar.bench.launch import spawn_local
+
+        return spawn_local(args.ranks, [sys.executable, os.path.abspath(__file__), *argv])
     res = run(args)
     return 1 if res["mismatched_steps"] else 0
 

