@@ -148,14 +148,10 @@ def nccl_terms(size: float, nodes: int, gpus: int, algorithm: str = "ring") -> T
     terms: Terms = {"nccl_base_us": 1.0}
     if ranks == 1:
         return terms
-    nvl = _NCCL_MULTINODE_NVL if nodes > 1 else 1.0
     if algorithm == "ring":
-        steps, inter = 2 * (ranks - 1), 2 * (nodes - 1)
-        _add(terms, "nccl_nvl_alpha_us", (steps - inter) * nvl)
-        _add(terms, "nccl_ring_net_alpha_us", inter)
-        bw = "nccl_ring_bw_GBps" if nodes > 1 else "nccl_intra_bw_GBps"
-        _add(terms, bw, 2.0 * (ranks - 1) / ranks * size)
+        _nccl_ring_passes(terms, size, nodes, gpus, passes=2)  # reduce-scatter + all-gather
     elif algorithm == "tree":
+        nvl = _NCCL_MULTINODE_NVL if nodes > 1 else 1.0
         _add(terms, "nccl_nvl_alpha_us", 2.0 * (gpus - 1) * nvl)
         _add(terms, "nccl_tree_net_alpha_us", 2.0 * _log2_floor(nodes))
         bw = "nccl_tree_bw_GBps" if nodes > 1 else "nccl_intra_bw_GBps"
@@ -198,13 +194,20 @@ def nccl_allgather_terms(total: float, nodes: int, gpus: int) -> Terms:
     terms: Terms = {"nccl_base_us": 1.0}
     if ranks == 1:
         return terms
+    _nccl_ring_passes(terms, total, nodes, gpus, passes=1)
+    return terms
+
+
+def _nccl_ring_passes(terms: Terms, size: float, nodes: int, gpus: int, passes: int) -> None:
+    """``passes`` ring passes over all W = N*G ranks, each W-1 steps (N-1 of them crossing the
+    network) moving (W-1)/W of ``size``."""
+    ranks = nodes * gpus
     nvl = _NCCL_MULTINODE_NVL if nodes > 1 else 1.0
     inter = nodes - 1
-    _add(terms, "nccl_nvl_alpha_us", (ranks - 1 - inter) * nvl)
-    _add(terms, "nccl_ring_net_alpha_us", inter)
+    _add(terms, "nccl_nvl_alpha_us", passes * (ranks - 1 - inter) * nvl)
+    _add(terms, "nccl_ring_net_alpha_us", passes * inter)
     bw = "nccl_ring_bw_GBps" if nodes > 1 else "nccl_intra_bw_GBps"
-    _add(terms, bw, (ranks - 1) / ranks * total)
-    return terms
+    _add(terms, bw, passes * (ranks - 1) / ranks * size)
 
 
 def nccl_sendrecv_terms(size: float, inter_node: bool) -> Terms:
