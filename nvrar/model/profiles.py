@@ -123,6 +123,15 @@ _SIGNAL = (
     "taken as 1.25x the LL step; no published measurement"
 )
 
+# Where a profile's NCCL constants follow NCCL's own tuning rules rather than a fit.
+_NCCL_RULE_SOURCES = {
+    "nccl_base_us": "NCCL baseLat ring LL 6.6 us (" + _NCCL_TUNING + ") + " + _LAUNCH,
+    "nccl_tree_net_alpha_us": (
+        "ring value x 5.0/2.7, NCCL's tree/ring network LL latency ratio (" + _NCCL_TUNING + ")"
+    ),
+    "nccl_tree_bw_GBps": "0.9 x ring bus bandwidth, NCCL's tree rule (" + _NCCL_TUNING + ")",
+}
+
 PERLMUTTER = Profile(
     name="perlmutter",
     description="NERSC Perlmutter GPU node: 4x A100-40GB on NVLink3, 4x Slingshot-11 NICs (200 Gb/s)",
@@ -158,19 +167,15 @@ PERLMUTTER = Profile(
             "fit: same NVRAR reference anchor (as LL packets); about half the 23-24 GB/s a Slingshot NIC achieves "
             "(ANCHORS), which the CPU-proxied puts do not reach"
         ),
-        "nccl_base_us": "NCCL baseLat ring LL 6.6 us (" + _NCCL_TUNING + ") + " + _LAUNCH,
+        **_NCCL_RULE_SOURCES,
         "nccl_nvl_alpha_us": "NCCL hwLat NVLink ring LL 0.47 us (" + _NCCL_TUNING + ")",
         "nccl_ring_net_alpha_us": (
             "fit: NCCL 2.21.5 at 2x4, 128 KB / 1 MB / 2 MB = 46-65 / 132-143 / 200-208 us (ANCHORS); "
             "NCCL's own constant is 2.7 us, aws-ofi-nccl on Slingshot costs more"
         ),
-        "nccl_tree_net_alpha_us": (
-            "ring value x 5.0/2.7, NCCL's tree/ring network LL latency ratio (" + _NCCL_TUNING + ")"
-        ),
         "nccl_ring_bw_GBps": (
             "fit: same 2x4 anchor; close to one Slingshot NIC's achieved 23-24 GB/s (ANCHORS)"
         ),
-        "nccl_tree_bw_GBps": "0.9 x ring bus bandwidth, NCCL's tree rule (" + _NCCL_TUNING + ")",
         "nccl_intra_bw_GBps": (
             "assumption: half the NVLink3 300 GB/s for NCCL at 128 KB-2 MB (no A100 single-node "
             "anchor)"
@@ -179,19 +184,15 @@ PERLMUTTER = Profile(
 )
 
 _H100_NCCL_SOURCES = {
-    "nccl_base_us": "NCCL baseLat ring LL 6.6 us (" + _NCCL_TUNING + ") + " + _LAUNCH,
+    **_NCCL_RULE_SOURCES,
     "nccl_nvl_alpha_us": (
         "NCCL hwLat NVLink ring LL 0.47 us (" + _NCCL_TUNING + "); with the base, reproduces DGX "
         "H100 1x8 8 KB = 17.4 us (ANCHORS)"
     ),
     "nccl_ring_net_alpha_us": "fit: Azure H100 2x8 NCCL 8 KB / 128 KB / 1 MB = 42 / 50 / 89 us (ANCHORS)",
-    "nccl_tree_net_alpha_us": (
-        "ring value x 5.0/2.7, NCCL's tree/ring network LL latency ratio (" + _NCCL_TUNING + ")"
-    ),
     "nccl_ring_bw_GBps": (
         "fit: Azure H100 2x8 anchor; close to one NDR400 NIC's achieved 46-48 GB/s (ANCHORS)"
     ),
-    "nccl_tree_bw_GBps": "0.9 x ring bus bandwidth, NCCL's tree rule (" + _NCCL_TUNING + ")",
     "nccl_intra_bw_GBps": "fit: DGX H100 1x8 NCCL 1 MB / 4 MB = 27.4 / 54.2 us (ANCHORS)",
 }
 
