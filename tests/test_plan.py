@@ -174,6 +174,13 @@ class ProtocolModel:
         self.consumed[flag] = True
         return got[1]
 
+    def wait(self, flag, e, who):
+        """Generator: suspend rank `who` until `flag` holds round `e`, then take it (its aux)."""
+        if self.flags.get(flag, (0,))[0] < e:
+            self.waiting[flag] = (who, e)
+            yield
+        return self.take(flag, e, who)
+
     # one rank
     def rank_proc(self, r):
         N, G = self.N, self.G
@@ -200,11 +207,7 @@ class ProtocolModel:
             for h in locals_:
                 if h == r:
                     continue
-                flag = ("ready", r, p, h % G)
-                if self.flags.get(flag, (0,))[0] < e:
-                    self.waiting[flag] = (r, e)
-                    yield
-                src = self.take(flag, e, r)
+                src = yield from self.wait(("ready", r, p, h % G), e, r)
                 slot = (src + (g,)) if src[0] == "user" else src
                 acc = acc + self.read(slot, e, r)
             shard = g if variant == "two-shot" else None
@@ -217,11 +220,7 @@ class ProtocolModel:
                     self.write(("zone", peer, p, st["slot"]), e, self.read(loc, e, r))
                     self.signal(("inter", peer, p, st["slot"]), e)
                 if st["recv"]:
-                    flag = ("inter", r, p, st["slot"])
-                    if self.flags.get(flag, (0,))[0] < e:
-                        self.waiting[flag] = (r, e)
-                        yield
-                    self.take(flag, e, r)
+                    yield from self.wait(("inter", r, p, st["slot"]), e, r)
                     zone = ("zone", r, p, st["slot"])
                     if st["combine"]:
                         self.write(zone, e, self.read(zone, e, r) + self.read(loc, e, r), owner_rmw=True)
@@ -240,11 +239,7 @@ class ProtocolModel:
                 for h in locals_:
                     if h == r:
                         continue
-                    flag = ("final", r, p, h % G)
-                    if self.flags.get(flag, (0,))[0] < e:
-                        self.waiting[flag] = (r, e)
-                        yield
-                    where = self.take(flag, e, r)
+                    where = yield from self.wait(("final", r, p, h % G), e, r)
                     result[h % G] = self.read(where, e, r)
                     if zc and in_place:
                         self.write(("user", r, h % G), e, result[h % G], owner_rmw=True)
