@@ -30,6 +30,10 @@ __all__ = ["Communicator"]
 
 # Per executor: the largest chunk of one round, and the zero-copy pool (bytes).
 _DEFAULT_MAX_BYTES = {"cpu": 4 << 20, "cuda": 16 << 20}
+# Settings that decide which bytes each round carries (chunking, variant, transport): every rank
+# must use the same values, checked once at construction (key -> name in the error).
+_AGREED = {"requested": "ranks_per_node", "max_bytes": "max_bytes", "heap_bytes": "heap_bytes", "algo": "algo",
+           "ll_max": "NVRAR_LL_MAX_BYTES", "oneshot_max": "NVRAR_ONESHOT_MAX_BYTES"}
 _DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "cuda": 64 << 20}
 _log = logging.getLogger("nvrar")
 _POOL_ALIGN = 256  # bytes; every empty() block starts on this boundary
@@ -243,7 +247,7 @@ class Communicator:
                 "host": socket.gethostname(),
                 "launcher": boot.launcher_local_size,
                 "error": env_error,
-                "settings": {k: settings[k] for k in ("requested", "max_bytes", "heap_bytes", "algo")} if settings else None,
+                "settings": {k: settings[k] for k in _AGREED} if settings else None,
             }
             infos = [json.loads(b) for b in boot.allgather(json.dumps(mine).encode())]
             bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
@@ -303,7 +307,7 @@ class Communicator:
             out["ll_max"] = selector.ll_max_bytes("cpu")
         else:
             out["ll_max"] = selector.ll_max_bytes("cuda")
-        env.get_bytes("NVRAR_ONESHOT_MAX_BYTES")  # parsed now: a bad value is reported with the rest
+        out["oneshot_max"] = env.get_bytes("NVRAR_ONESHOT_MAX_BYTES")  # the override (None: by layout)
         return out
 
     def _setup_cpu(self, boot: Any, G: int, st: dict) -> None:
@@ -336,8 +340,7 @@ class Communicator:
         mod, err = _gpu.load()
         launch = selector.gpu_launch("cuda", G)
         oneshot, ll = selector.oneshot_max_bytes("cuda", self._world, G), st["ll_max"]
-        settings = [oneshot, ll, launch["max_blocks"], launch["threads"], launch["block_bytes"]]
-        status = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1, "settings": settings}
+        status = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1}
         if mod is not None:
             n, why = mod.device_count()
             if n == 0:
@@ -348,11 +351,6 @@ class Communicator:
         failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
         if failed:
             raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
-        # Chunking, slicing and the LL threshold decide which bytes each round carries: they must
-        # be the same everywhere (NVRAR_* settings differing between ranks would mix data).
-        if len({json.dumps(s["settings"]) for s in statuses}) > 1:
-            raise NvrarError("Communicator: ranks disagree on the GPU settings (one-shot threshold, LL threshold, "
-                             "launch); per rank: " + "; ".join(f"rank {r}: {s['settings']}" for r, s in enumerate(statuses)))
         uid = boot.allgather(mod.unique_id() if self._rank == 0 else b"")[0]
         self._cuda_device = status["device"]
         self._ex = mod.GpuExecutor(self._rank, self._world, G, status["device"], st["max_bytes"], st["heap_bytes"],
@@ -364,11 +362,11 @@ class Communicator:
     def _agree(self, infos: Sequence[dict], single_host: bool = True) -> int:
         """Ranks per node, identical on every rank (every rank evaluates the same list)."""
         W = len(infos)
-        for key in ("requested", "max_bytes", "heap_bytes", "algo"):
+        for key, name in _AGREED.items():
             values = {json.dumps(i["settings"][key]) for i in infos}
             if len(values) > 1:
                 per_rank = ", ".join(f"rank {r}: {i['settings'][key]}" for r, i in enumerate(infos))
-                raise ValueError(f"Communicator: ranks disagree on {key} ({per_rank}); pass the same value everywhere")
+                raise ValueError(f"Communicator: ranks disagree on {name} ({per_rank}); pass the same value everywhere")
         hosts = [i["host"] for i in infos]
         if single_host and len(set(hosts)) > 1:
             raise NvrarError(

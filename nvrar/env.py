@@ -46,7 +46,8 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar(
             "NVRAR_ONESHOT_MAX_BYTES",
             "",
-            "Messages up to this size use the one-shot variant (default: the selector's table).",
+            "Messages up to this size use the one-shot variant (default: the selector's table). "
+            "Must be equal on every rank.",
         ),
         EnvVar(
             "NVRAR_ALGO",

@@ -126,3 +126,14 @@ def test_bad_environment_on_one_rank_is_reported_by_every_rank():
         assert r.returncode == 1
         exc = r.report["exception"]
         assert exc["type"] == "ValueError" and "rank 1" in exc["message"] and "NVRAR_JITTER_US" in exc["message"], exc
+
+
+@pytest.mark.parametrize("var,value", [("NVRAR_LL_MAX_BYTES", "16K"), ("NVRAR_ONESHOT_MAX_BYTES", "1K")])
+def test_settings_that_differ_between_ranks_are_refused_at_construction(var, value):
+    """Settings that decide what each round carries must agree; every rank says which differs."""
+    res = launch(2, "fault", {"G": 1, "victim": -1, "mode": "none", "timeout": 30, "at": 0},
+                 per_rank_env=[{}, {var: value}], timeout=120)
+    for r in res:
+        assert r.returncode == 1
+        exc = r.report["exception"]
+        assert exc["type"] == "ValueError" and f"ranks disagree on {var}" in exc["message"], exc
