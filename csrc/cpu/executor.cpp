@@ -1,7 +1,5 @@
 #include "executor.h"
 
-#include "../protocol/round.h"
-
 #include <sched.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -26,7 +24,7 @@ constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a 
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
 constexpr double kQuiesceMaxS = 5.0;  // longest a failing rank waits for peers to stop touching its buffers (s)
-constexpr double kMaxTimeoutS = 1e6;  // deadlines saturate here (a nanosecond clock overflows past ~292 years)
+constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
 
 // Host-side header at the start of every segment (page 0). Written by its owner at creation;
 // the call fields are rewritten (relaxed) at the start of every call, before its first flag.
@@ -150,17 +148,15 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   piece_dsts_.resize(G + 1);
   src_remote_.resize(G);
   peer_out_.resize(G);
-  peer_pid_.resize(static_cast<size_t>(cfg_.world));
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
   round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes};
 }
 
 void CpuExecutor::enable_cma(bool on) {
-  cma_ = on && cfg_.cma;
+  round_cfg_.cma = on && cfg_.cma;
   // Room for one piece of every other local rank's shard (pages are taken on first touch).
-  if (cma_) cma_scratch_.resize(static_cast<size_t>(cfg_.ranks_per_node - 1) * (cfg_.cma_piece_bytes + 64));
-  round_cfg_.cma = cma_;
+  if (round_cfg_.cma) cma_scratch_.resize(static_cast<size_t>(cfg_.ranks_per_node - 1) * (cfg_.cma_piece_bytes + 64));
   ws_.scratch = cma_scratch_.data();
 }
 
@@ -189,7 +185,6 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
                 "use the same settings");
     if (r != cfg_.rank && h->start_time != 0 && proc_stat(h->pid).first == h->start_time)
       peer_start_times_[static_cast<size_t>(r)] = h->start_time;
-    peer_pid_[static_cast<size_t>(r)] = h->pid;
   }
 }
 
@@ -314,12 +309,12 @@ struct CpuTransport {
     if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
   }
   bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
-    ex->cma_read(rank, dst, addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
+    ex->cma_transfer(false, rank, dst, addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
     return true;
   }
   bool remote_write(int rank, const char* src, uint64_t addr, size_t bytes, Phase phase) {
     ex->jitter();
-    ex->cma_write(rank, src, addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
+    ex->cma_transfer(true, rank, const_cast<char*>(src), addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
     return true;
   }
   void expose(uint64_t e) { ex->exposed_epoch_ = e; }
@@ -345,20 +340,11 @@ void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0
   jitter();
 }
 
-void CpuExecutor::cma_write(int peer, const void* local, uint64_t remote, size_t bytes, const Site& site,
-                            uint64_t epoch) {
-  cma_transfer(true, peer, const_cast<void*>(local), remote, bytes, site, epoch);
-}
-
-void CpuExecutor::cma_read(int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch) {
-  cma_transfer(false, peer, local, remote, bytes, site, epoch);
-}
-
 // One cross-memory copy between my memory and a peer's private memory (process_vm_readv/writev),
 // resumed after partial transfers.
 void CpuExecutor::cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site,
                                uint64_t epoch) {
-  const pid_t pid = static_cast<pid_t>(peer_pid_[static_cast<size_t>(peer)]);
+  const pid_t pid = static_cast<pid_t>(reinterpret_cast<const SegmentHeader*>(heap_.base(peer))->pid);
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   size_t done = 0;
   while (done < bytes) {
@@ -389,8 +375,8 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(
-                                    std::min(cfg_.timeout_s, kMaxTimeoutS)));
+  const auto deadline =
+      start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(cfg_.timeout_s));
   auto next_liveness = start + kLivenessPeriod;
   for (uint64_t it = 0;; ++it) {
     if (ready()) return;
@@ -429,12 +415,8 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
   if (flag_epoch(w) != epoch)
     fail(ProtocolError::Kind::kViolation, "protocol violation: a flag arrived from a later round", site, epoch,
          flag_epoch(w));
-  if (flag_sig(w) != sig) {
-    std::ostringstream os;
-    os << "call mismatch: rank " << cfg_.rank << " called " << describe_call(cfg_.rank) << " but rank " << site.peer
-       << " called " << describe_call(site.peer);
-    fail(ProtocolError::Kind::kMismatch, os.str(), site, epoch, flag_epoch(w));
-  }
+  if (flag_sig(w) != sig) fail(ProtocolError::Kind::kMismatch, "call mismatch: " + mismatch(site.peer), site, epoch,
+                               flag_epoch(w));
   return {load_relaxed(&c->aux0), load_relaxed(&c->aux1)};
 }
 
@@ -442,17 +424,23 @@ void CpuExecutor::wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig
   const uint32_t flag = ll_flag(epoch, sig);
   const auto* pk = reinterpret_cast<const uint64_t*>(heap_.mine() + off);
   const size_t n = ll_packets(bytes);
-  for (size_t i = 0; i < n; ++i) {
-    int state = 0;
-    spin_until([&] { return (state = ll_packet_state(load_acquire(&pk[i]), flag)) != 0; },
-               [&] { return static_cast<uint64_t>(ll_packet_flag(load_relaxed(&pk[i])) >> kSigBits); }, site, epoch);
-    if (state < 0) {
-      std::ostringstream os;
-      os << "call mismatch (LL packet signature): rank " << cfg_.rank << " called " << describe_call(cfg_.rank)
-         << " but rank " << site.peer << " called " << describe_call(site.peer);
-      fail(ProtocolError::Kind::kMismatch, os.str(), site, epoch, epoch);
-    }
-  }
+  // One deadline for the whole step: each poll moves on over the packets that have arrived.
+  size_t i = 0;
+  int state = 1;
+  spin_until(
+      [&] {
+        while (i < n && (state = ll_packet_state(load_acquire(&pk[i]), flag)) > 0) ++i;
+        return i == n || state < 0;
+      },
+      [&] { return static_cast<uint64_t>(ll_packet_flag(load_relaxed(&pk[i])) >> kSigBits); }, site, epoch);
+  if (state < 0)
+    fail(ProtocolError::Kind::kMismatch, "call mismatch (LL packet signature): " + mismatch(site.peer), site, epoch,
+         epoch);
+}
+
+std::string CpuExecutor::mismatch(int peer) const {
+  return "rank " + std::to_string(cfg_.rank) + " called " + describe_call(cfg_.rank) + " but rank " +
+         std::to_string(peer) + " called " + describe_call(peer);
 }
 
 std::string CpuExecutor::describe_call(int rank) const {
@@ -532,7 +520,8 @@ void CpuExecutor::quiesce(uint64_t epoch) {
     const int peer = where_.rank_of(where_.node, h);
     const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + layout_.final_cell(p, h));
     const auto* ph = reinterpret_cast<const SegmentHeader*>(heap_.base(peer));
-    auto next_liveness = clock::now();
+    const auto start = clock::now();
+    auto next_liveness = start;
     while (flag_epoch(load_acquire(&c->word)) < epoch && load_acquire(&ph->failed_epoch) < epoch) {
       const auto now = clock::now();
       if (now >= deadline) break;
@@ -540,7 +529,12 @@ void CpuExecutor::quiesce(uint64_t epoch) {
         if (!peer_alive(peer)) break;
         next_liveness = now + kLivenessPeriod;
       }
-      sched_yield();
+      if (now - start < kYieldPhase) {
+        sched_yield();
+      } else {
+        struct timespec ts = {0, kSleepNs};
+        nanosleep(&ts, nullptr);
+      }
     }
   }
 }

@@ -47,7 +47,7 @@ class CpuExecutor {
   // must then call enable_cma with the AND over all ranks, so that all agree.
   bool probe_cma() const;
   void enable_cma(bool on);
-  bool cma_enabled() const { return cma_; }
+  bool cma_enabled() const { return round_cfg_.cma; }
 
   // out = reduce(in) over all ranks. in == out is in place. `count` elements of `dtype`.
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant);
@@ -77,7 +77,7 @@ class CpuExecutor {
   void round(const char* in, char* out, size_t n, size_t elem_size, bool in_pool, bool out_pool, Variant v,
              uint32_t sig, ReduceFn fn, Scale sc);
 
-  void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1 = 0);
+  void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1);
   // Waits for the flag of round `epoch`; returns its aux words.
   std::pair<uint64_t, uint64_t> wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site);
   // Waits until every LL packet of `bytes` payload at my `off` carries this round's flag.
@@ -86,8 +86,6 @@ class CpuExecutor {
   // `observed` names what was seen, for the timeout message.
   template <typename Ready, typename Observed>
   void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch);
-  void cma_write(int peer, const void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
-  void cma_read(int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   void cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   [[noreturn]] void fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,
                          uint64_t observed);
@@ -95,6 +93,7 @@ class CpuExecutor {
   void quiesce(uint64_t epoch);
   bool peer_alive(int peer) const;
   std::string describe_call(int rank) const;
+  std::string mismatch(int peer) const;  // "rank R called all_reduce(...) but rank P called all_reduce(...)"
   void jitter();
 
   CpuConfig cfg_;
@@ -111,9 +110,7 @@ class CpuExecutor {
   std::vector<const char*> piece_srcs_;     // sources of the current piece (scratch for remote ones)
   std::vector<uint64_t> src_remote_;        // per local rank: address of its shard in its private memory, or 0
   std::vector<uint64_t> peer_out_;          // per local rank: how it wants its result delivered (OutRef)
-  std::vector<int64_t> peer_pid_;
   std::vector<char> cma_scratch_;           // private landing space of cross-memory reads (G-1 shards)
-  bool cma_ = false;
   uint64_t exposed_epoch_ = 0;              // last round whose ready flags exposed my private buffers
   Workspace ws_{};                          // views of the vectors above, for protocol/round.h
   RoundConfig round_cfg_{};
