@@ -33,8 +33,9 @@ def variant_code(name: Optional[str]) -> int:
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
 # G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
 # per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
-# wins up to 4 KB, two-shot from 8 KB on (nvrar-bench --min-bytes 64 --max-bytes 32K --algos
-# one-shot,two-shot, 2 ranks on a 2-core x86 host, README "Tuning"). G = 1 has no intra-node
+# wins up to 4 KB, two-shot from 8 KB on (measured with nvrar-bench --min-bytes 64 --max-bytes 32K
+# --algos one-shot,two-shot, 2 ranks on a 2-core x86 host; that command, or `nvrar tune`, measures
+# another machine). G = 1 has no intra-node
 # phase, so both variants move the same bytes. Larger G: not measured here (more ranks than
 # cores); 16 KB is a guess between the two costs.
 _CPU_ONESHOT_MAX = {1: 1 << 20, 2: 4 << 10}
@@ -109,7 +110,7 @@ SUPPORTED_OPS = ("sum", "max", "min", "avg")
 NATIVE = "native"
 
 # Without a tuning table (nvrar tune): on the CPU nvrar beats gloo at every size measured (8 KB -
-# 16 MB, README "Results"), so it serves every size. On GPUs the published NVRAR result covers
+# 16 MB, README "Results on this machine"), so it serves every size. On GPUs the published NVRAR result covers
 # multi-node 128 KB - 2 MB; on one node NCCL's NVLink algorithms are hard to beat, and above a few
 # MB NCCL's ring is bandwidth-optimal: nvrar takes multi-node messages up to 2 MB, NCCL the rest,
 # until `nvrar tune` measures the crossovers of the actual machine.
