@@ -162,8 +162,8 @@ class Table:
             if choice != NATIVE and choice not in VARIANTS:
                 raise ValueError(f"tuning table {source}: unknown choice {choice!r}")
             self.buckets.append((limit, str(choice)))
-        limits = [l for l, _ in self.buckets if l is not None]
-        if any(a >= b for a, b in zip(limits, limits[1:])) or any(l is None for l, _ in self.buckets[:-1]):
+        limits = [lim for lim, _ in self.buckets if lim is not None]
+        if any(a >= b for a, b in zip(limits, limits[1:])) or any(lim is None for lim, _ in self.buckets[:-1]):
             raise ValueError(f"tuning table {source}: limits must strictly ascend, and only the last may be unbounded")
 
     def choice(self, nbytes: int) -> str:
@@ -192,4 +192,4 @@ class Table:
 
     def to_json(self) -> dict:
         return {"device": self.device, "world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
-                "buckets": [{"max_bytes": l, "choice": c} for l, c in self.buckets]}
+                "buckets": [{"max_bytes": lim, "choice": c} for lim, c in self.buckets]}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from . import env
 from .selector import NATIVE, Table
@@ -57,7 +57,7 @@ def load_table(device: str, world_size: int, ranks_per_node: int, path: Optional
 def save_table(table: Table, measured: Dict[str, Any], path: Optional[str] = None) -> str:
     """Add or replace the table of its topology in the file; returns the path."""
     path = path or tuning_path()
-    data = {"format": FORMAT, "tables": []}
+    data: Dict[str, Any] = {"format": FORMAT, "tables": []}
     if os.path.exists(path):
         data = _read(path)
     key = (table.device, table.world_size, table.ranks_per_node)
