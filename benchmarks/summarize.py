@@ -18,6 +18,15 @@ def fmt(n: int) -> str:
     return str(n)
 
 
+def pick(at: List[dict], backend: str, algorithm: str = "auto", buffers: str = "ordinary") -> dict:
+    """The row of ``backend`` among one size's rows (nvrar: of that variant and buffer kind), or {}."""
+    for r in at:
+        if r["backend"] == backend and (backend != "nvrar" or (r["algorithm"] == algorithm and
+                                                             r.get("buffers", "ordinary") == buffers)):
+            return r
+    return {}
+
+
 def main(argv: List[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
@@ -39,17 +48,9 @@ def main(argv: List[str]) -> int:
     print("|" + "---|" * len(head))
     for size in sorted(by_size):
         at = by_size[size]
-
-        def pick(backend: str, algorithm: str = "auto", buffers: str = "ordinary") -> dict:
-            for r in at:
-                if r["backend"] == backend and (backend != "nvrar" or (r["algorithm"] == algorithm and
-                                                                     r.get("buffers", "ordinary") == buffers)):
-                    return r
-            return {}
-
-        nv = pick("nvrar")
-        sym = pick("nvrar", buffers="symmetric")
-        peer_rows = [pick(p) for p in peers]
+        nv = pick(at, "nvrar")
+        sym = pick(at, "nvrar", buffers="symmetric")
+        peer_rows = [pick(at, p) for p in peers]
         best = min((r["median_us"] for r in peer_rows if r), default=None)
         cells = [fmt(size), f"{nv.get('median_us', float('nan')):.1f}", f"{sym.get('median_us', float('nan')):.1f}"]
         cells += [f"{r['median_us']:.1f}" if r else "-" for r in peer_rows]

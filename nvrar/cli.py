@@ -18,7 +18,7 @@ __all__ = ["main"]
 _SUBCOMMAND_MODULES = (
     "nvrar.bench",
     "nvrar.model.cli",
-    "nvrar.tuning",
+    "nvrar.bench.tune",
 )
 
 

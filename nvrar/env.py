@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-__all__ = ["VARIABLES", "EnvVar", "get_float", "get_int", "get_bytes", "get_str", "parse_bytes", "describe"]
+__all__ = ["VARIABLES", "EnvVar", "get_float", "get_int", "get_bytes", "get_str", "parse_bytes"]
 
 
 @dataclass(frozen=True)
@@ -146,11 +146,3 @@ def get_bytes(name: str) -> Optional[int]:
 
 def get_str(name: str) -> Optional[str]:
     return _get(name, str)
-
-
-def describe() -> str:
-    """A table of the variables, for ``--help`` texts and docs."""
-    lines = []
-    for v in VARIABLES.values():
-        lines.append(f"{v.name} (default {v.default or 'unset'}): {v.meaning}")
-    return "\n".join(lines)

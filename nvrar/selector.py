@@ -33,8 +33,9 @@ def variant_code(name: Optional[str]) -> int:
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
 # G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
 # per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
-# wins up to 4 KB, two-shot from 8 KB on (nvrar-bench --min-bytes 64 --max-bytes 32K --algos
-# one-shot,two-shot, 2 ranks on a 2-core x86 host, README "Tuning"). G = 1 has no intra-node
+# wins up to 4 KB, two-shot from 8 KB on (measured with nvrar-bench --min-bytes 64 --max-bytes 32K
+# --algos one-shot,two-shot, 2 ranks on a 2-core x86 host; that command, or `nvrar tune`, measures
+# another machine). G = 1 has no intra-node
 # phase, so both variants move the same bytes. Larger G: not measured here (more ranks than
 # cores); 16 KB is a guess between the two costs.
 _CPU_ONESHOT_MAX = {1: 1 << 20, 2: 4 << 10}
@@ -109,7 +110,7 @@ SUPPORTED_OPS = ("sum", "max", "min", "avg")
 NATIVE = "native"
 
 # Without a tuning table (nvrar tune): on the CPU nvrar beats gloo at every size measured (8 KB -
-# 16 MB, README "Results"), so it serves every size. On GPUs the published NVRAR result covers
+# 16 MB, README "Results on this machine"), so it serves every size. On GPUs the published NVRAR result covers
 # multi-node 128 KB - 2 MB; on one node NCCL's NVLink algorithms are hard to beat, and above a few
 # MB NCCL's ring is bandwidth-optimal: nvrar takes multi-node messages up to 2 MB, NCCL the rest,
 # until `nvrar tune` measures the crossovers of the actual machine.
@@ -161,8 +162,8 @@ class Table:
             if choice != NATIVE and choice not in VARIANTS:
                 raise ValueError(f"tuning table {source}: unknown choice {choice!r}")
             self.buckets.append((limit, str(choice)))
-        limits = [l for l, _ in self.buckets if l is not None]
-        if any(a >= b for a, b in zip(limits, limits[1:])) or any(l is None for l, _ in self.buckets[:-1]):
+        limits = [lim for lim, _ in self.buckets if lim is not None]
+        if any(a >= b for a, b in zip(limits, limits[1:])) or any(lim is None for lim, _ in self.buckets[:-1]):
             raise ValueError(f"tuning table {source}: limits must strictly ascend, and only the last may be unbounded")
 
     def choice(self, nbytes: int) -> str:
@@ -191,4 +192,4 @@ class Table:
 
     def to_json(self) -> dict:
         return {"device": self.device, "world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
-                "buckets": [{"max_bytes": l, "choice": c} for l, c in self.buckets]}
+                "buckets": [{"max_bytes": lim, "choice": c} for lim, c in self.buckets]}

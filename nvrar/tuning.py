@@ -1,6 +1,8 @@
-"""Tuning tables: `nvrar tune` measures, per message size, nvrar's variants against the process
+"""Tuning tables: the file format, load and save, and the table built from measured rows.
+`nvrar tune` (nvrar.bench.tune) measures, per message size, nvrar's variants against the process
 group's native all-reduce on the current topology, and writes the winner of every size to a JSON
-file; nvrar.torch loads the table that matches its (device, world size, ranks per node).
+file; nvrar.torch loads the table that matches its (device, world size, ranks per node). This
+module sits below both: it imports neither the benchmark package nor torch.
 
 File (NVRAR_TUNING_FILE, default ~/.cache/nvrar/tuning.json):
 
@@ -15,17 +17,14 @@ A message of n bytes takes the choice of the first bucket with n <= max_bytes.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from . import env
 from .selector import NATIVE, Table
 
-__all__ = ["FORMAT", "tuning_path", "load_table", "save_table", "buckets_from_measurements", "register", "main"]
+__all__ = ["FORMAT", "tuning_path", "load_table", "save_table", "buckets_from_measurements"]
 
 FORMAT = "nvrar-tuning-1"
 
@@ -58,7 +57,7 @@ def load_table(device: str, world_size: int, ranks_per_node: int, path: Optional
 def save_table(table: Table, measured: Dict[str, Any], path: Optional[str] = None) -> str:
     """Add or replace the table of its topology in the file; returns the path."""
     path = path or tuning_path()
-    data = {"format": FORMAT, "tables": []}
+    data: Dict[str, Any] = {"format": FORMAT, "tables": []}
     if os.path.exists(path):
         data = _read(path)
     key = (table.device, table.world_size, table.ranks_per_node)
@@ -98,62 +97,3 @@ def buckets_from_measurements(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]
     if len(buckets) > 1 and buckets[-2]["choice"] == NATIVE:
         buckets.pop(-2)
     return buckets
-
-
-def _tune_rank(args: argparse.Namespace, launcher: str) -> int:
-    """One rank of `nvrar tune`: measure with the benchmark's machinery, rank 0 writes the table."""
-    import numpy as np  # noqa: F401 - the benchmark needs it anyway
-
-    from .bench import runner
-
-    args.backends = "nvrar,gloo" if args.device == "cpu" else "nvrar,nccl"
-    args.algos = "one-shot,two-shot"
-    args.buffers = "ordinary"
-    args.launched_by = launcher
-    rows = runner.run_rank(args, launcher, collect=True)
-    if rows is None:  # not rank 0
-        return 0
-    device, world, G = args.device, rows[0]["_world"], rows[0]["_ranks_per_node"]
-    natives = {r["backend"] for r in rows if r["backend"] != "nvrar"}
-    if not natives:
-        print("nvrar tune: the native backend could not run (see the skipped line); no table written", file=sys.stderr)
-        return 1
-    table = Table(device, world, G, buckets_from_measurements(rows), source=args.output or tuning_path())
-    measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "dtype": args.dtype, "op": args.op,
-                "rows": [{k: r[k] for k in ("backend", "algorithm", "bytes", "median_us")} for r in rows]}
-    path = save_table(table, measured, args.output)
-    print(f"nvrar tune: wrote the table for device {device}, {world} ranks, {G} per node to {path}:")
-    for limit, choice in table.buckets:
-        print(f"  <= {limit if limit is not None else 'any'} bytes: {choice}")
-    return 0
-
-
-def register(sub: "argparse._SubParsersAction") -> None:
-    from .bench import add_arguments
-
-    p = sub.add_parser("tune", help="measure nvrar vs the native all-reduce per size and write a tuning table",
-                       description="Measure nvrar's variants and the native backend (gloo on CPU, NCCL on GPU) "
-                                   "at every size, and write the per-size winner as a tuning table that nvrar.torch "
-                                   "loads. Launches its ranks like nvrar-bench.")
-    add_arguments(p)
-    p.add_argument("-o", "--output", default=None, help=f"table file (default NVRAR_TUNING_FILE or {tuning_path()})")
-    p.set_defaults(func=_run, iters=60, max_bytes=16 << 20, _parser=p)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from .bench import _validate, run
-
-    _validate(args._parser, args)
-    argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "tune" else []
-    args.tune = True
-    return run(args, argv, module="nvrar.tuning")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry of the ranks that a bare `nvrar tune` launches."""
-    p = argparse.ArgumentParser(prog="nvrar tune")
-    sub = p.add_subparsers(dest="command")
-    register(sub)
-    args = p.parse_args(["tune", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)

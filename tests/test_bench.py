@@ -84,6 +84,8 @@ def test_under_mpirun_four_ranks_two_per_node(tmp_path):
     assert data["meta"]["launcher"] == "mpirun/srun"  # started by the user's mpirun, not by a bare start
     assert {r["dtype"] for r in data["results"]} == {"bfloat16"}
     assert "mpi/MPI_Allreduce" in data["meta"]["skipped"]  # MPI has no bfloat16
+    # the text report says the same
+    assert "# world 4 ranks, 2 per node (2 nodes)" in out and "# total #wrong: 0" in out
     assert "gloo" in {r["backend"] for r in data["results"]}
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -54,8 +55,8 @@ def test_tp_volume_closed_form_by_hand():
     # (65 * 255 * 4096 * 2) * 2*3/4 = 135_782_400 * 1.5 = 203_673_600
     # logits: 128 * (128256 / 4) * 2 = 8_208_384
     assert tp_volume(32, 4096, 128256, 128, 128, tp=4) == 211_881_984
-    # t = 1: no all-reduce traffic, only the logits 128 * 128256 * 2.
-    assert tp_volume(32, 4096, 128256, 128, 128, tp=1) == 32_833_536
+    # t = 1: one rank, nothing crosses a link (no all-reduce, no logits gather).
+    assert tp_volume(32, 4096, 128256, 128, 128, tp=1) == 0
 
 
 def test_pp_volume_closed_form_by_hand():
@@ -75,7 +76,8 @@ def _hybrid_by_simulation(layers, hidden, vocab, sp, sd, t, p, b):
             if stage + 1 < p:
                 sent += 2 * hidden * b / t  # my slice of hidden state + residual
                 sent += (t - 1) / t * 2 * hidden * b  # next stage's all-gather, per rank
-    sent += sd * vocab / t * b  # logits gather from the last stage
+    if t > 1:
+        sent += sd * vocab / t * b  # logits gather in the last stage's TP group
     return sent
 
 
@@ -94,7 +96,8 @@ def test_hybrid_reduces_to_tp_and_pp():
         assert hybrid_volume(*args, tp=t, pp=1).total == pytest.approx(tp_volume(*args, tp=t))
     for p in (1, 2, 4, 8):
         assert hybrid_volume(*args, tp=1, pp=p).total == pytest.approx(
-            pp_volume(card.hidden, 512, 64, p) + 64 * card.vocab * 2)
+            pp_volume(card.hidden, 512, 64, p))
+        assert hybrid_volume(*args, tp=1, pp=p).logits == 0
 
 
 def test_pp_volume_independent_of_t_and_tp_grows_with_t():
@@ -107,6 +110,65 @@ def test_pp_volume_independent_of_t_and_tp_grows_with_t():
     assert stage_traffic == pytest.approx([pp_volume(card.hidden, 128, 128, 4)] * 5)
     tp = [tp_volume(*args, tp=t) for t in (1, 2, 4, 8, 16)]
     assert all(a < b for a, b in zip(tp, tp[1:]))
+
+
+# The published closed forms (arXiv 2507.14392; docs/planner.md), written out here with exact
+# fractions, independently of nvrar.model.volume.
+def _closed_v_tp(L, h, v, sp, sd, t, b):
+    if t == 1:
+        return Fraction(0)
+    s = sp + sd - 1
+    return (2 * L + 1) * s * h * b * Fraction(2 * (t - 1), t) + sd * Fraction(v, t) * b
+
+
+def _closed_v_pp(h, sp, sd, p, b):
+    return (p - 1) * 2 * (sp + sd - 1) * h * b
+
+
+def _closed_v_hyb(L, h, v, sp, sd, t, p, b):
+    s = sp + sd - 1
+    allreduce = (2 * L + 1) * s * h * b * Fraction(2 * (t - 1), t)
+    handoff = (p - 1) * s * 2 * h * b * Fraction(1, t)  # my 1/t slice to the next stage
+    allgather = (p - 1) * s * 2 * h * b * Fraction(t - 1, t)  # the next stage rebuilds it
+    logits = sd * Fraction(v, t) * b if t > 1 else Fraction(0)
+    return allreduce + handoff + allgather + logits
+
+
+_TP_GRID = [(t, 1) for t in (2, 3, 4, 8, 16)]
+_PP_GRID = [(1, p) for p in (1, 2, 3, 4, 8)]
+_HYBRID_GRID = [(2, 2), (4, 2), (8, 2), (2, 4), (8, 4), (16, 2), (3, 5)]
+_LENGTHS = [(128, 128), (1024, 256), (1, 1), (17, 9)]
+
+
+@pytest.mark.parametrize("t,p", _TP_GRID + _PP_GRID + _HYBRID_GRID)
+def test_plan_volume_matches_closed_forms(t, p):
+    for card in CARDS.values():
+        L, h, v = card.layers, card.hidden, card.vocab
+        for sp, sd in _LENGTHS:
+            for b in (2, 4):
+                plan = make_plan(card, tp=t, pp=p, prompt=sp, decode=sd, bytes_per_elem=b)
+                got = plan["volume_bytes"]
+                want = _closed_v_hyb(L, h, v, sp, sd, t, p, b)
+                assert got == pytest.approx(float(want), rel=1e-12, abs=0), (card.name, sp, sd, b)
+                if p == 1:
+                    assert got == pytest.approx(float(_closed_v_tp(L, h, v, sp, sd, t, b)),
+                                                rel=1e-12, abs=0)
+                if t == 1:
+                    assert got == _closed_v_pp(h, sp, sd, p, b)
+                    assert plan["volume_breakdown_bytes"]["logits"] == 0
+                    assert plan["volume_breakdown_bytes"]["allgather"] == 0
+                else:
+                    assert plan["volume_breakdown_bytes"]["logits"] == pytest.approx(
+                        sd * v / t * b, rel=1e-12)
+
+
+def test_cli_plan_pure_pp_has_no_logits_gather():
+    out = json.loads(_cli("plan", "--model", "llama-3.1-8b", "--tp", "1", "--pp", "4",
+                          "--prompt", "128", "--decode", "128", "--json").stdout)
+    # V_pp = (p-1) * 2 * (Sp+Sd-1) * h * b = 3 * 2 * 255 * 4096 * 2
+    assert out["volume_bytes"] == 12_533_760
+    assert out["volume_breakdown_bytes"]["logits"] == 0
+    assert out["allreduce_calls"] == {"prefill": 0, "decode": 0}
 
 
 def test_message_bytes_and_stage_layers():

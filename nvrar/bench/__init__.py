@@ -108,9 +108,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], module: str = "nvrar.benc
     if launcher is None:
         return spawn(args, argv, module)
     if getattr(args, "tune", False):
-        from ..tuning import _tune_rank
+        from .tune import tune_rank
 
-        return _tune_rank(args, launcher)
+        return tune_rank(args, launcher)
     from .runner import run_rank
 
     return run_rank(args, launcher)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -147,7 +147,7 @@ class MPIBackend(_HostArrays):
     algorithm = "MPI_Allreduce"
 
     def __init__(self) -> None:
-        self._mpi = None
+        self._mpi: Any = None  # the mpi4py.MPI module once it imports
         if not mpi_launched():
             self.skip_reason = "not launched by mpirun/srun (the bare launcher uses mpirun when it is installed)"
             return

@@ -18,10 +18,10 @@ def fmt_size(n: int) -> str:
 def header_lines(meta: Dict[str, Any]) -> List[str]:
     lines = [
         f"# nvrar-bench {meta['nvrar_version']}: all-reduce latency of nvrar and its peers, measured in the same run",
-        f"# time = median over iterations of the slowest rank's time for that iteration; p99 and min likewise",
+        "# time = median over iterations of the slowest rank's time for that iteration; p99 and min likewise",
         f"# world {meta['world_size']} ranks, {meta['ranks_per_node']} per node ({meta['num_nodes']} node"
         f"{'s' if meta['num_nodes'] != 1 else ''}), device {meta['device']}: {meta['hardware']}",
-        f"# versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "# versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         f"# launcher {meta['launcher']}, bootstrap {meta['bootstrap']}; iters {meta['iters']} in {meta['rounds']} "
         f"interleaved rounds, warmup {meta['warmup']}, dtype {meta['dtype']}, op {meta['op']}; nvrar buffers: {meta['buffers']} "
         f"(/sym rows: Communicator.empty(), zero-copy)",

@@ -8,7 +8,7 @@ import platform
 import socket
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -213,7 +213,7 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
     esize = DTYPES[args.dtype][2]
     count = size // esize
     size = count * esize  # what actually moves (a size that is not a whole number of elements rounds down)
-    bufs = []
+    bufs: List[Tuple[Backend, Any, int, List[Any]]] = []  # (backend, buffer, #wrong, times per round)
     for b in backends:
         buf = b.alloc(count, args.dtype)
         wrong = verify(b, buf, ctl, count, args, world, rank)
@@ -229,7 +229,7 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
             ctl.barrier()
             times.append(ctl.max(time_calls(b, buf, args.op, n, args.device, args.cuda_graph)))
     rows = []
-    for b, buf, wrong, times in bufs:
+    for b, _buf, wrong, times in bufs:
         t = np.concatenate(times)
         median = float(np.median(t))
         algbw = size / median / 1e3 if median > 0 else 0.0
@@ -370,9 +370,9 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     comm.close()
     if ctl_comm is not None:
         ctl_comm.close()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and torch_mod.distributed.is_available() and torch_mod.distributed.is_initialized():
+        torch_mod.distributed.destroy_process_group()
     if collect:
         return [dict(r, _world=world, _ranks_per_node=meta["ranks_per_node"]) for r in results] if rank == 0 else None
     return 1 if any(r["wrong"] for r in results) else 0

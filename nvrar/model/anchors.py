@@ -7,7 +7,7 @@ microseconds, which model output it is compared with, and where the number comes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .fit import Observation
 from .latency import predict
@@ -71,7 +71,7 @@ def observations(profile_name: str, calibrated_only: bool = True) -> List[Observ
     ]
 
 
-def residuals(profile: Profile, anchor_profile: Optional[str] = None) -> List[Dict[str, object]]:
+def residuals(profile: Profile, anchor_profile: Optional[str] = None) -> List[Dict[str, Any]]:
     """Model vs anchor for every anchor of ``anchor_profile`` (default: the profile's own name).
 
     ``rel_error`` is (model - mid) / mid, mid being the middle of the published range.

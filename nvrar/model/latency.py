@@ -36,7 +36,7 @@ ranks the first log2 G steps stay in the node when G is a power of two.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 from .profiles import Profile, linear_value
 
@@ -238,7 +238,7 @@ def best_of(times: Mapping[str, float], prefix: str) -> Tuple[str, float]:
 
 
 def predict(size: float, nodes: int, gpus: int, profile: Profile,
-            zero_copy: bool = False) -> Dict[str, object]:
+            zero_copy: bool = False) -> Dict[str, Any]:
     """Predicted latencies (us) of one all-reduce of ``size`` bytes on ``nodes`` x ``gpus``.
 
     Keys of ``predicted_us``: "nvrar" (fastest variant and transport, what a selector would pick),

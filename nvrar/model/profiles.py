@@ -101,7 +101,7 @@ def linear_value(profile: Profile, name: str) -> float:
 
 def with_linear_values(profile: Profile, values: Mapping[str, float]) -> Profile:
     """Inverse of :func:`linear_value`: a copy of ``profile`` with alphas/betas replaced."""
-    physical = {
+    physical: Dict[str, Any] = {
         name: (1.0 / (v * 1e3) if name in _BANDWIDTHS else v) for name, v in values.items()
     }
     return replace(profile, **physical)

@@ -9,12 +9,13 @@ ranks with the same TP index, one rank per stage.
 
 Tensor parallelism (Megatron-style, vocabulary-parallel embedding and LM head)::
 
-    V_tp = (2L+1) * S * h*b * 2(t-1)/t  +  Sd * (v/t) * b
+    V_tp = (2L+1) * S * h*b * 2(t-1)/t  +  Sd * (v/t) * b     (t > 1; V_tp = 0 for t = 1)
 
 Each layer ends its attention and its MLP block with a row-parallel matmul whose partial sums are
 all-reduced (2 per layer), and the vocabulary-parallel embedding adds one more: 2L+1 all-reduces of
 h*b bytes per token. A bandwidth-optimal all-reduce of M bytes sends 2(t-1)/t * M per rank. The
-last term gathers the Sd logit rows, each rank holding a v/t slice.
+last term gathers the Sd logit rows, each rank holding a v/t slice; with t = 1 one rank holds the
+whole vocabulary and nothing crosses a link.
 
 Pipeline parallelism::
 
@@ -34,13 +35,14 @@ Hybrid TP x PP (derived here). Stage i holds L_i layers, sum L_i = L; every stag
    sending (t-1)/t * 2*h*b. Per chain: (p-1) * S * 2*h*b * (1/t + (t-1)/t) = (p-1) * 2 * S * h*b.
    The (t-1)/t all-gather term applies only when t > 1. Without scatter-gather every rank sends the
    whole 2*h*b: the same bytes per chain, t times the bytes on the inter-stage links, no all-gather.
-3. Logits: only the last stage has an LM head: Sd * (v/t) * b.
+3. Logits: only the last stage has an LM head; with t > 1 its TP group gathers the Sd logit rows,
+   Sd * (v/t) * b. With t = 1 the last stage holds the whole vocabulary and samples locally: 0.
 
 So::
 
-    V_hyb = (2L+1) * S * h*b * 2(t-1)/t  +  (p-1) * 2 * S * h*b  +  Sd * (v/t) * b
+    V_hyb = (2L+1) * S * h*b * 2(t-1)/t  +  (p-1) * 2 * S * h*b  +  [t > 1] * Sd * (v/t) * b
 
-which is V_tp when p = 1 and V_pp + Sd*v*b (PP plus the logits) when t = 1.
+which is V_tp when p = 1 and V_pp when t = 1.
 
 Calls: with t > 1 a request costs 2L+1 all-reduce calls in prefill and (2L+1)(Sd-1) in decode.
 The message of one call is batch x tokens x h x b bytes: batch*Sp*h*b in a batched prefill and
@@ -115,13 +117,13 @@ def hybrid_volume(layers: int, hidden: int, vocab: int, prompt: int, decode: int
         allreduce=(2 * layers + 1) * allreduce_volume(act, tp),
         p2p=(pp - 1) * 2.0 * act / tp,
         allgather=(pp - 1) * 2.0 * act * (tp - 1) / tp,
-        logits=decode * (vocab / tp) * bytes_per_elem,
+        logits=decode * (vocab / tp) * bytes_per_elem if tp > 1 else 0.0,
     )
 
 
 def tp_volume(layers: int, hidden: int, vocab: int, prompt: int, decode: int,
               tp: int, bytes_per_elem: int = 2) -> float:
-    """V_tp = (2L+1)(Sp+Sd-1) h b 2(t-1)/t + Sd (v/t) b."""
+    """V_tp = (2L+1)(Sp+Sd-1) h b 2(t-1)/t + Sd (v/t) b for t > 1; 0 for t = 1."""
     return hybrid_volume(layers, hidden, vocab, prompt, decode, tp, 1, bytes_per_elem).total
 
 
