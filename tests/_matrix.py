@@ -8,7 +8,7 @@ result so that the test can compare the hashes of all ranks: bitwise identity ac
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 

@@ -42,7 +42,8 @@ def test_shards_partition_and_align(G, elem_size):
         sizes = [e - b for b, e in ranges]
         assert max(sizes) - min(sizes) <= max(sizes)  # sanity
         # no shard is larger than needed: ceil(count / G) rounded to the alignment
-        assert max(sizes) <= -(-(-(-count // G)) // align) * align
+        ceil_shard = (count + G - 1) // G
+        assert max(sizes) <= (ceil_shard + align - 1) // align * align
 
 
 @pytest.mark.parametrize("B", [1, 2, 3, 8, 16])
@@ -53,7 +54,7 @@ def test_chunk_slices_keep_their_place_in_a_short_chunk(B, elem_size):
     for chunk in (64, 1000, 4096, 65536):
         full = [_C.chunk_slice(chunk, chunk, elem_size, B, b) for b in range(B)]
         pos = 0
-        for b, (lo, hi) in enumerate(full):  # a partition of the full chunk, 16-byte aligned
+        for lo, hi in full:  # a partition of the full chunk, 16-byte aligned
             assert lo == pos and lo <= hi and (lo * elem_size) % 16 == 0 or lo == chunk
             pos = hi
         assert pos == chunk
@@ -183,7 +184,7 @@ class ProtocolModel:
 
     # one rank
     def rank_proc(self, r):
-        N, G = self.N, self.G
+        G = self.G
         n, g = divmod(r, G)
         locals_ = [n * G + h for h in range(G)]
         for e in range(1, self.rounds + 1):
@@ -214,7 +215,7 @@ class ProtocolModel:
             self.write(("result", r, p), e, acc)
             loc = ("result", r, p)
             # inter-node
-            for i, st in enumerate(self.scheds[n]):
+            for st in self.scheds[n]:
                 peer = st["partner"] * G + g
                 if st["send"]:
                     self.write(("zone", peer, p, st["slot"]), e, self.read(loc, e, r))
@@ -306,7 +307,7 @@ def test_segment_layout_regions_disjoint(G, N, B, ll):
     L = _C.segment_layout(G, N, max_bytes, 64 << 10, 1 << 20, 64, B, ll)
     regions = sorted(L["regions"], key=lambda r: r[1])
     assert regions[0][1] >= 4096  # page 0 is the header
-    for (n1, o1, s1), (n2, o2, s2) in zip(regions, regions[1:]):
+    for (n1, o1, s1), (n2, o2, _s2) in zip(regions, regions[1:]):
         assert o1 + s1 <= o2, f"{n1} overlaps {n2}"
     assert regions[-1][1] + regions[-1][2] <= L["total_bytes"]
     assert L["staging_bytes"] >= max_bytes
