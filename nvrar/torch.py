@@ -190,14 +190,26 @@ def _swap_groups() -> List[Tuple[str, Any, Any]]:
             wrapper = _wrappers[pg] = _torch_backend.wrap(pg)
         _unregister_process_group(name)
         _register_process_group(name, wrapper)
+        # Code that looks a group up by name (DeviceMesh.get_group) gets the wrapper: it must
+        # answer get_rank() / get_world_size() / get_backend() as the group does.
+        for table in _ALIAS_TABLES:
+            if pg in getattr(c10d._world, table):
+                getattr(c10d._world, table)[wrapper] = getattr(c10d._world, table)[pg]
         swapped.append((name, pg, wrapper))
     return swapped
 
 
+# torch.distributed's per-group tables (pinned in tests/test_torch.py)
+_ALIAS_TABLES = ("pg_group_ranks", "pg_map", "pg_backend_config")
+
+
 def _restore_groups(swapped: List[Tuple[str, Any, Any]]) -> None:
-    for name, pg, _ in swapped:
+    c10d = dist.distributed_c10d
+    for name, pg, wrapper in swapped:
         _unregister_process_group(name)
         _register_process_group(name, pg)
+        for table in _ALIAS_TABLES:
+            getattr(c10d._world, table).pop(wrapper, None)
 
 
 _wrappers: Dict[Any, NvrarProcessGroup] = {}
