@@ -101,7 +101,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
     if torch.compiler.is_compiling():
         # Recorded as the custom op; its implementation decides (nvrar or native) at run time.
         torch.ops.nvrar.all_reduce_(tensor, name, _group_name(group))
-        return Work(tensor) if async_op else None
+        return _TracedWork(tensor) if async_op else None
     group = _resolve(group)
     if isinstance(group, NvrarProcessGroup):
         return _native_all_reduce(tensor, _native_op(name), group=group, async_op=async_op)
@@ -115,6 +115,23 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
         return work
     work.wait()
     return None
+
+
+class _TracedWork:
+    """async_op=True under torch.compile: the op is in the graph, in program order, and has run
+    (or raised) when the code after it runs; a plain object that Dynamo can trace."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def result(self) -> List[torch.Tensor]:
+        return [self._tensor]
 
 
 def stats(group: Any = None, device: str = "cpu") -> Dict[str, int]:
@@ -146,8 +163,10 @@ def _group_from_name(name: str) -> Any:
 
 
 # The in-place op returns its (mutated) argument, as in-place ops do: Tensor(a!) -> Tensor(a!)
-# (torch.library.custom_op cannot express an aliased return, hence define/impl).
-torch.library.define("nvrar::all_reduce_", "(Tensor(a!) tensor, str op, str group_name) -> Tensor(a!)")
+# (torch.library.custom_op cannot express an aliased return, hence define/impl). The inplace tag
+# lets torch.compile functionalize it (auto_functionalized).
+torch.library.define("nvrar::all_reduce_", "(Tensor(a!) tensor, str op, str group_name) -> Tensor(a!)",
+                     tags=(torch.Tag.inplace,))
 
 
 @torch.library.impl("nvrar::all_reduce_", "CompositeExplicitAutograd")

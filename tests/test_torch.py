@@ -43,6 +43,7 @@ def test_patch_routes_unchanged_code():
         assert rep["after_decorator"] == 1
         assert rep["async_ok"]
         assert rep["string_op_native_ok"]
+        assert rep["inplace_op_returns_its_tensor"]  # issue 12: it returned None
         assert rep["bad_op"] and "median" in rep["bad_op"]
 
 
