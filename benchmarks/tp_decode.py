@@ -8,7 +8,11 @@ two all-reduces per layer, as in Megatron-style TP. Weights and inputs are small
 activations are reduced modulo a prime after each layer, so every value is an exact integer in
 float32 and the outputs of the two backends must be bitwise identical (checked every step).
 
-    python benchmarks/tp_decode.py                     # 2 local CPU ranks, gloo vs nvrar
+The DTensor variant builds the same block from nn.Linear layers and shards it with
+parallelize_module (ColwiseParallel / RowwiseParallel), once on a DeviceMesh over a gloo group and
+once over a group of the "nvrar" backend, timed in the same run.
+
+    python benchmarks/tp_decode.py                     # 2 local CPU ranks, gloo vs nvrar, both variants
     torchrun --nproc-per-node 4 benchmarks/tp_decode.py --layers 8 --hidden 2048
     mpirun -n 4 python benchmarks/tp_decode.py --json tp.json
 """
@@ -28,6 +32,21 @@ import torch.distributed as dist
 MODULUS = 251.0  # float32: activations and partial sums stay far below 2^24, so every value is exact
 
 
+def full_weights(hidden: int, ffn: int, layers: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 density: float = 0.1) -> List[List[torch.Tensor]]:
+    """Per layer, the unsharded (in x out) matrices qkv (h x 3h), out (h x h), up (h x f),
+    down (f x h), from a seed shared by every rank: small integers, sparse (small magnitudes)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        full = torch.randint(-1, 2, (rows, cols), generator=g).to(dtype)
+        full[torch.rand(rows, cols, generator=g) >= density] = 0
+        return full
+
+    return [[weight(hidden, 3 * hidden), weight(hidden, hidden), weight(hidden, ffn), weight(ffn, hidden)]
+            for _ in range(layers)]
+
+
 class TPBlock(torch.nn.Module):
     """Rank `rank`'s shard of an L-layer TP transformer block."""
 
@@ -39,23 +58,17 @@ class TPBlock(torch.nn.Module):
         if hidden % world or ffn % world:
             raise ValueError(f"hidden ({hidden}) and ffn ({ffn}) must be divisible by the TP degree {world}")
         self.hidden, self.world = hidden, world
-        g = torch.Generator().manual_seed(seed)
-
-        def weight(rows: int, cols: int) -> torch.Tensor:
-            # Full matrix from a seed shared by every rank, then this rank's shard: the sum over
-            # ranks of the row-parallel partial products equals the unsharded product exactly.
-            full = torch.randint(-1, 2, (rows, cols), generator=g).to(dtype)
-            full[torch.rand(rows, cols, generator=g) >= density] = 0  # sparse: keeps magnitudes small
-            return full.to(device)
-
+        # Full matrices from a seed shared by every rank, then this rank's shard: the sum over
+        # ranks of the row-parallel partial products equals the unsharded product exactly.
         hs, fs = hidden // world, ffn // world
         self.qkv, self.out, self.up, self.down = [], [], [], []
-        for _ in range(layers):
-            qkv = weight(hidden, 3 * hidden)  # column-parallel: shard the output columns
+        for qkv, out, up, down in full_weights(hidden, ffn, layers, seed, dtype, density):
+            qkv, out, up, down = (w.to(device) for w in (qkv, out, up, down))
+            # column-parallel: shard the output columns (q, k and v alike)
             self.qkv.append(torch.cat([qkv[:, i * hidden + rank * hs: i * hidden + (rank + 1) * hs] for i in range(3)], 1))
-            self.out.append(weight(hidden, hidden)[rank * hs:(rank + 1) * hs])  # row-parallel: shard the input rows
-            self.up.append(weight(hidden, ffn)[:, rank * fs:(rank + 1) * fs])
-            self.down.append(weight(ffn, hidden)[rank * fs:(rank + 1) * fs])
+            self.out.append(out[rank * hs:(rank + 1) * hs])  # row-parallel: shard the input rows
+            self.up.append(up[:, rank * fs:(rank + 1) * fs])
+            self.down.append(down[rank * fs:(rank + 1) * fs])
 
     def forward(self, x: torch.Tensor, all_reduce: Callable[[torch.Tensor], None]) -> torch.Tensor:
         hs = self.hidden // self.world
@@ -73,9 +86,80 @@ class TPBlock(torch.nn.Module):
         return x
 
 
+class DecodeBlock(torch.nn.Module):
+    """The same block, unsharded, as plain nn.Linear layers: parallelize_module() shards it
+    (q, k, v, up: ColwiseParallel; out, down: RowwiseParallel, whose Partial -> Replicate is the
+    all-reduce, issued by DTensor as a functional collective)."""
+
+    def __init__(self, hidden: int, ffn: int, layers: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 density: float = 0.1, modulus: float = MODULUS) -> None:
+        super().__init__()
+        self.modulus = modulus
+        self.layers = torch.nn.ModuleList()
+
+        def linear(w: torch.Tensor) -> torch.nn.Linear:
+            lin = torch.nn.Linear(w.shape[0], w.shape[1], bias=False, dtype=dtype)
+            lin.weight = torch.nn.Parameter(w.t().contiguous(), requires_grad=False)
+            return lin
+
+        for qkv, out, up, down in full_weights(hidden, ffn, layers, seed, dtype, density):
+            self.layers.append(torch.nn.ModuleDict({
+                "q": linear(qkv[:, :hidden]), "k": linear(qkv[:, hidden:2 * hidden]), "v": linear(qkv[:, 2 * hidden:]),
+                "out": linear(out), "up": linear(up), "down": linear(down)}))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            mixed = torch.relu(layer["q"](x)) - layer["k"](x) + layer["v"](x)
+            x = torch.remainder(x + layer["out"](mixed), self.modulus)
+            x = torch.remainder(x + layer["down"](torch.relu(layer["up"](x))), self.modulus)
+        return x
+
+
+def parallelize_decode_block(block: DecodeBlock, mesh) -> torch.nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for i in range(len(block.layers)):
+        plan.update({f"layers.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")})
+        plan.update({f"layers.{i}.{n}": RowwiseParallel() for n in ("out", "down")})
+    return parallelize_module(block, mesh, plan)
+
+
 def decode_inputs(step: int, batch: int, hidden: int, dtype: torch.dtype, device: str, high: int = 7) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, high, (batch, hidden), generator=g).to(dtype).to(device)
+
+
+def _time(steps: Dict[str, Callable[[torch.Tensor], torch.Tensor]], args: argparse.Namespace,
+          dtype: torch.dtype) -> "tuple[Dict[str, float], int]":
+    """Median step time (ms, slowest rank) of each way, alternating A B / B A, and the number of
+    steps whose outputs differ."""
+    times: Dict[str, List[float]] = {k: [] for k in steps}
+    mismatches = 0
+    for step in range(args.warmup + args.steps):
+        x = decode_inputs(step, args.batch, args.hidden, dtype, "cpu")
+        outs = {}
+        order = list(steps) if step % 2 == 0 else list(reversed(list(steps)))  # A B, then B A
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            outs[name] = steps[name](x)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step time
+            if step >= args.warmup:
+                times[name].append(float(t))
+        if not torch.equal(outs["native"], outs["nvrar"]):
+            mismatches += 1
+    return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}, mismatches
+
+
+def _report(rank: int, what: str, med: Dict[str, float], mismatches: int, args: argparse.Namespace,
+            stats: Dict[str, int]) -> None:
+    if rank == 0:
+        total = args.steps + args.warmup
+        print(f"  {what}: native (gloo) {med['native']:.3f} ms/step, nvrar {med['nvrar']:.3f} ms/step, "
+              f"speedup {med['native'] / med['nvrar']:.2f}x; outputs identical in {total - mismatches}/{total} "
+              f"steps; calls {stats}")
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
@@ -88,46 +172,47 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
-    block = TPBlock(args.hidden, args.ffn or 4 * args.hidden, args.layers, world, rank, dtype=dtype)
-    backends: Dict[str, Callable[[torch.Tensor], None]] = {
-        "native": lambda t: dist.all_reduce(t),
-        "nvrar": lambda t: nt.all_reduce(t),
-    }
-    times: Dict[str, List[float]] = {k: [] for k in backends}
-    mismatches = 0
-    for step in range(args.warmup + args.steps):
-        x = decode_inputs(step, args.batch, args.hidden, dtype, "cpu")
-        outs = {}
-        order = list(backends) if step % 2 == 0 else list(reversed(list(backends)))  # A B, then B A
-        for name in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            outs[name] = block(x, backends[name])
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step time
-            if step >= args.warmup:
-                times[name].append(float(t))
-        if not torch.equal(outs["native"], outs["nvrar"]):
-            mismatches += 1
-    stats = nt.stats()
-    nt.reset()
-    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+    ffn = args.ffn or 4 * args.hidden
     ar_bytes = args.batch * args.hidden * torch.tensor([], dtype=dtype).element_size()
-    result = {
-        "world_size": world, "hidden": args.hidden, "ffn": args.ffn or 4 * args.hidden, "layers": args.layers,
+    result: Dict[str, object] = {
+        "world_size": world, "hidden": args.hidden, "ffn": ffn, "layers": args.layers,
         "batch": args.batch, "dtype": args.dtype, "steps": args.steps, "allreduce_bytes": ar_bytes,
-        "allreduces_per_step": 2 * args.layers, "median_step_ms": med,
-        "speedup": med["native"] / med["nvrar"], "mismatched_steps": mismatches, "nvrar_calls": stats,
+        "allreduces_per_step": 2 * args.layers,
     }
     if rank == 0:
         print(f"TP decode, {world} ranks, {args.layers} layers x 2 all-reduces of {ar_bytes} B "
               f"(batch {args.batch}, hidden {args.hidden}, {args.dtype}), {args.steps} steps:")
-        print(f"  native (gloo) {med['native']:.3f} ms/step, nvrar {med['nvrar']:.3f} ms/step, "
-              f"speedup {result['speedup']:.2f}x; outputs identical in {args.steps + args.warmup - mismatches}"
-              f"/{args.steps + args.warmup} steps; calls {stats}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+    if args.variant in ("manual", "both"):
+        block = TPBlock(args.hidden, ffn, args.layers, world, rank, dtype=dtype)
+        steps = {"native": lambda x: block(x, lambda t: dist.all_reduce(t)),
+                 "nvrar": lambda x: block(x, lambda t: nt.all_reduce(t))}
+        med, mismatches = _time(steps, args, dtype)
+        stats = nt.stats()
+        result.update({"median_step_ms": med, "speedup": med["native"] / med["nvrar"], "mismatched_steps": mismatches,
+                       "nvrar_calls": stats})
+        _report(rank, "manual TP, nt.all_reduce", med, mismatches, args, stats)
+    if args.variant in ("dtensor", "both"):
+        # The same block through parallelize_module, on a DeviceMesh over gloo and one over the
+        # "nvrar" backend: the all-reduces are DTensor's functional collectives. Distinct dim names:
+        # DTensor treats meshes over the same ranks as equal (and caches by them) otherwise.
+        from torch.distributed.device_mesh import DeviceMesh
+
+        nvrar_group = dist.new_group(backend=nt.BACKEND)
+        gloo_group = dist.new_group(backend="gloo")
+        models = {name: parallelize_decode_block(DecodeBlock(args.hidden, ffn, args.layers, dtype=dtype),
+                                                 DeviceMesh.from_group(g, "cpu", mesh_dim_names=(f"tp_{name}",)))
+                  for name, g in (("native", gloo_group), ("nvrar", nvrar_group))}
+        with torch.no_grad():
+            med, mismatches = _time({k: m for k, m in models.items()}, args, dtype)
+        stats = nt.stats(nvrar_group)
+        result["dtensor"] = {"median_step_ms": med, "speedup": med["native"] / med["nvrar"],
+                             "mismatched_steps": mismatches, "nvrar_calls": stats}
+        result["mismatched_steps"] = int(result.get("mismatched_steps", 0)) + mismatches  # type: ignore[call-overload]
+        _report(rank, "DTensor TP (parallelize_module), gloo group vs \"nvrar\" group", med, mismatches, args, stats)
+    nt.reset()
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
     dist.destroy_process_group()
     return result
 
@@ -144,6 +229,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--variant", default="both", choices=["manual", "dtensor", "both"],
+                   help="manual TP (nt.all_reduce), DTensor TP (parallelize_module over a gloo group and an "
+                        "\"nvrar\" group), or both (default)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if "OMPI_COMM_WORLD_RANK" in os.environ and "RANK" not in os.environ:  # mpirun: map to torch's env

@@ -1,131 +1,59 @@
 """nvrar as a drop-in for torch.distributed's all-reduce in tensor-parallel layers.
 
-    import nvrar.torch as nt
-    nt.all_reduce(tensor)                       # torch.distributed.all_reduce's signature
-    with nt.patch():                            # unchanged model code: dist.all_reduce -> nvrar
+    import nvrar.torch as nt                    # registers the torch.distributed backend "nvrar"
+    dist.init_process_group("nvrar")            # a group whose every all-reduce follows nvrar's policy
+    with nt.patch():                            # or keep "gloo"/"nccl": while patched, all-reduces go to nvrar
         model(x)
+    nt.all_reduce(tensor)                       # torch.distributed.all_reduce's signature
     torch.ops.nvrar.all_reduce_(t, "sum", "")   # custom ops: torch.compile(fullgraph=True), CUDA graphs
     y = torch.ops.nvrar.all_reduce(t, "sum", "")
 
-Every call goes through one decision, nvrar.selector.select(): a variant of nvrar, or the
+Every all-reduce goes through one decision, nvrar.selector.select(): a variant of nvrar, or the
 group's native backend (gloo on CPU, NCCL on GPU) for what nvrar does not serve better (sizes
 outside the tuned window, unsupported dtypes or ops). The decision depends only on what is
 identical on every rank of a valid call, and the tuning table is checked to be identical on every
 rank when a group is first used, so every rank always takes the same path.
 
-Why patch() rather than a registered torch.distributed backend: patch() keeps the group's own
-backend for everything (every other collective, and the sizes nvrar does not win), needs no new
-backend string in init_process_group, is scoped (a context manager or decorator, undone on exit),
-and does not depend on the Python ProcessGroup-backend extension points, which change between
-torch releases.
+Two doors, one policy and one count (``stats()``):
+* the ``nvrar`` backend (nvrar/_torch_backend.py): torch.distributed.all_reduce, the functional
+  collectives (``_c10d_functional.all_reduce``, ``all_reduce_``, ``all_reduce_coalesced``),
+  DTensor and compiled graphs reach it; every other collective is the native backend's.
+* ``patch()``: for code that keeps its "gloo"/"nccl" groups. It swaps torch.distributed.all_reduce,
+  and, in torch's registry of groups by name (which the functional collectives resolve), every
+  group existing at entry for a wrapper whose all-reduces follow the policy; undone on exit.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
-from . import selector
+from . import _torch_backend, selector
+from ._torch_backend import NvrarProcessGroup
+from ._torch_state import DTYPE_NAMES as _DTYPE_NAMES
+from ._torch_state import REDUCE_OPS as _REDUCE_OPS  # noqa: F401 - kept for importers
+from ._torch_state import GroupState as _Group  # noqa: F401 - kept for importers
+from ._torch_state import Work
+from ._torch_state import groups as _groups
+from ._torch_state import lock as _lock
+from ._torch_state import op_name as _op_name
+from ._torch_state import state_for_group
 from .communicator import Communicator
 from .errors import NvrarError
 
-__all__ = ["all_reduce", "patch", "communicator", "decide", "stats", "reset", "Work"]
+__all__ = ["all_reduce", "patch", "communicator", "decide", "stats", "reset", "Work", "BACKEND",
+           "NvrarProcessGroup"]
 
-# Every torch.distributed.ReduceOp by its canonical name; nvrar serves sum/max/min/avg, the group's
-# own backend the rest.
-_REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32"}
+BACKEND = _torch_backend.NAME
+_torch_backend.register()
 
 # The original torch.distributed.all_reduce: the native path, also while patch() is active.
 _native_all_reduce = dist.all_reduce
-
-
-class Work:
-    """The handle returned with ``async_op=True``. On the CPU the all-reduce has completed when
-    the call returns; on the GPU it is enqueued on the current stream, which later work on that
-    stream is ordered after (as with NCCL after ``wait()``). ``wait()`` is still required by the
-    torch.distributed contract."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def result(self) -> list:
-        return [self._tensor]
-
-    def exception(self) -> None:
-        return None
-
-
-class _Group:
-    """What nvrar keeps per (process group, device kind): the communicator and the policy."""
-
-    def __init__(self, group: Any, device: str) -> None:
-        self.group = group
-        self.device = device
-        self.counts = {"nvrar": 0, "native": 0}
-        self.comm: Optional[Communicator] = None
-        self.table = None
-        self.world = dist.get_world_size(group)
-        self.G = 1
-        self.native_only = ""  # why nvrar cannot serve this group and device ("": it can)
-        if device not in ("cpu", "cuda"):
-            self.native_only = f"nvrar does not serve tensors on {device}"
-            return
-        try:
-            self.comm = Communicator(group=group, device=device)
-        except NvrarError as exc:
-            # Setup verdicts are exchanged between the ranks before anything can fail alone, so
-            # every rank lands here together, and the group's own backend serves it from now on.
-            self.native_only = str(exc)
-            warnings.warn(f"nvrar.torch: nvrar cannot serve this group on {device} ({exc}); its own backend will",
-                          RuntimeWarning, stacklevel=4)
-            return
-        self.G = self.comm.ranks_per_node
-        self.table = self._agreed_table()
-
-    def _agreed_table(self) -> Optional[selector.Table]:
-        """The tuning table, if every rank loaded the same one; else none on every rank."""
-        from .tuning import load_table
-
-        try:
-            table = load_table(self.device, self.world, self.G)
-            mine = table.fingerprint() if table is not None else "none"
-        except Exception as exc:  # any unreadable table: never leave the other ranks waiting below
-            table, mine = None, f"error: {type(exc).__name__}: {exc}"
-        prints = [None] * self.world
-        dist.all_gather_object(prints, mine, group=self.group)
-        if len(set(prints)) > 1:
-            warnings.warn(f"nvrar.torch: ranks loaded different tuning tables ({sorted(set(prints))}); "
-                          "every rank uses the built-in policy instead. Point NVRAR_TUNING_FILE at one file.",
-                          RuntimeWarning, stacklevel=3)
-            return None
-        if mine.startswith("error"):
-            warnings.warn(f"nvrar.torch: tuning table unusable ({mine}); using the built-in policy",
-                          RuntimeWarning, stacklevel=3)
-        return table
-
-    def decide(self, dtype: str, op: str, nbytes: int) -> str:
-        if self.native_only:
-            return selector.NATIVE
-        return selector.select(self.device, self.world, self.G, dtype, op, nbytes, self.table)
-
-
-_groups: Dict[Tuple[Any, str], _Group] = {}
-_lock = threading.Lock()
 
 
 def _resolve(group: Any) -> Any:
@@ -137,14 +65,9 @@ def _resolve(group: Any) -> Any:
 
 
 def _state(group: Any, device: str) -> _Group:
-    key = (group, device)
-    st = _groups.get(key)
-    if st is None:
-        with _lock:
-            st = _groups.get(key)
-            if st is None:
-                st = _groups[key] = _Group(group, device)
-    return st
+    if isinstance(group, NvrarProcessGroup):
+        return group._state(device)
+    return state_for_group(group, device)
 
 
 def communicator(group: Any = None, device: str = "cpu") -> Communicator:
@@ -153,25 +76,6 @@ def communicator(group: Any = None, device: str = "cpu") -> Communicator:
     if st.comm is None:
         raise NvrarError(f"nvrar.torch: no nvrar communicator for this group on {device}: {st.native_only}")
     return st.comm
-
-
-def _op_name(op: Any) -> str:
-    """Canonical lower-case name of a ReduceOp or op string ("sum", "product", ...)."""
-    if isinstance(op, str):
-        name = op.lower()
-        if name.upper() not in _REDUCE_OPS:
-            raise ValueError(f"nvrar.torch: unknown reduction {op!r}; use a torch.distributed.ReduceOp or one of "
-                             f"{', '.join(n.lower() for n in _REDUCE_OPS)}")
-        return name
-    name = getattr(op, "name", None)
-    if name is None:  # ReduceOp instances compare equal to their RedOpType member
-        for member in _REDUCE_OPS:
-            if hasattr(dist.ReduceOp, member) and op == getattr(dist.ReduceOp, member):
-                return member.lower()
-        raise ValueError(f"nvrar.torch: unsupported reduction {op!r} (a PREMUL_SUM or custom op?)")
-    if name.upper() not in _REDUCE_OPS:
-        raise ValueError(f"nvrar.torch: unsupported reduction {op!r}")
-    return name.lower()
 
 
 def _native_op(name: str) -> Any:
@@ -190,43 +94,59 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
     """torch.distributed.all_reduce, served by nvrar where the policy says so.
 
     In place; returns None, or a work handle with ``wait()`` when ``async_op=True``. Under
-    torch.compile this records the custom op ``torch.ops.nvrar.all_reduce_``.
+    torch.compile this records the custom op ``torch.ops.nvrar.all_reduce_``. On a group of the
+    ``nvrar`` backend this is torch.distributed.all_reduce (the group decides).
     """
     name = _op_name(op)
     if torch.compiler.is_compiling():
         # Recorded as the custom op; its implementation decides (nvrar or native) at run time.
         torch.ops.nvrar.all_reduce_(tensor, name, _group_name(group))
-        return Work(tensor) if async_op else None
+        return _TracedWork(tensor) if async_op else None
     group = _resolve(group)
+    if isinstance(group, NvrarProcessGroup):
+        return _native_all_reduce(tensor, _native_op(name), group=group, async_op=async_op)
     st = _state(group, tensor.device.type)
-    dtype = _DTYPE_NAMES.get(tensor.dtype)
-    choice = st.decide(dtype or str(tensor.dtype), name, tensor.numel() * tensor.element_size())
+    choice = st.decide_tensor(tensor, name)
     if choice == selector.NATIVE:
         st.counts["native"] += 1
         return _native_all_reduce(tensor, _native_op(name), group=group, async_op=async_op)
-    st.counts["nvrar"] += 1
-    algo = None if choice == "auto" else choice
-    if tensor.is_contiguous():
-        st.comm.all_reduce(tensor, name, algo=algo)
-    else:  # same decision on every rank; only the memory layout differs
-        tmp = tensor.contiguous()
-        st.comm.all_reduce(tmp, name, algo=algo)
-        tensor.copy_(tmp)
-    return Work(tensor) if async_op else None
+    work = st.run(tensor, name, choice)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+class _TracedWork:
+    """async_op=True under torch.compile: the op is in the graph, in program order, and has run
+    (or raised) when the code after it runs; a plain object that Dynamo can trace."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def result(self) -> List[torch.Tensor]:
+        return [self._tensor]
 
 
 def stats(group: Any = None, device: str = "cpu") -> Dict[str, int]:
-    """Calls served by nvrar and by the native backend so far on ``group``."""
+    """All-reduces served by nvrar and by the native backend so far on ``group`` (whichever door
+    they came through: dist.all_reduce, nt.all_reduce, functional collectives, DTensor, compiled)."""
     st = _groups.get((_resolve(group), device))
     return dict(st.counts) if st is not None else {"nvrar": 0, "native": 0}
 
 
 def reset() -> None:
-    """Close every communicator nvrar.torch created (before destroy_process_group)."""
+    """Close every communicator nvrar.torch created (before destroy_process_group; collective:
+    the next all-reduce of a group creates a new one)."""
     with _lock:
         for st in _groups.values():
-            if st.comm is not None:
-                st.comm.close()
+            st.close()
         _groups.clear()
 
 
@@ -242,14 +162,22 @@ def _group_from_name(name: str) -> Any:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-@torch.library.custom_op("nvrar::all_reduce_", mutates_args=("tensor",))
-def _all_reduce_inplace(tensor: torch.Tensor, op: str, group_name: str) -> None:
+# The in-place op returns its (mutated) argument, as in-place ops do: Tensor(a!) -> Tensor(a!)
+# (torch.library.custom_op cannot express an aliased return, hence define/impl). The inplace tag
+# lets torch.compile functionalize it (auto_functionalized).
+torch.library.define("nvrar::all_reduce_", "(Tensor(a!) tensor, str op, str group_name) -> Tensor(a!)",
+                     tags=(torch.Tag.inplace,))
+
+
+@torch.library.impl("nvrar::all_reduce_", "CompositeExplicitAutograd")
+def _all_reduce_inplace(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     all_reduce(tensor, op, _group_from_name(group_name))
+    return tensor
 
 
-@_all_reduce_inplace.register_fake
-def _(tensor: torch.Tensor, op: str, group_name: str) -> None:
-    return None
+@torch.library.register_fake("nvrar::all_reduce_")
+def _(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    return tensor
 
 
 @torch.library.custom_op("nvrar::all_reduce", mutates_args=())
@@ -266,20 +194,71 @@ def _(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
 
 # -- patch(): unchanged model code ---------------------------------------------------------------
 
+def _swap_groups() -> List[Tuple[str, Any, Any]]:
+    """Put an NvrarProcessGroup wrapper in torch's registry of groups by name (what the
+    functional collectives, DTensor and compiled graphs resolve) for every group there now."""
+    swapped = []
+    c10d = dist.distributed_c10d
+    for gone in [pg for pg in _wrappers if pg not in c10d._world.pg_names]:  # destroyed groups
+        del _wrappers[gone]
+    for pg, name in list(c10d._world.pg_names.items()):
+        if isinstance(pg, NvrarProcessGroup) or not pg._device_types:
+            continue
+        wrapper = _wrappers.get(pg)
+        if wrapper is None:
+            wrapper = _wrappers[pg] = _torch_backend.wrap(pg)
+        _unregister_process_group(name)
+        _register_process_group(name, wrapper)
+        # Code that looks a group up by name (DeviceMesh.get_group) gets the wrapper: it must
+        # answer get_rank() / get_world_size() / get_backend() as the group does.
+        for table in _ALIAS_TABLES:
+            if pg in getattr(c10d._world, table):
+                getattr(c10d._world, table)[wrapper] = getattr(c10d._world, table)[pg]
+        swapped.append((name, pg, wrapper))
+    return swapped
+
+
+# torch.distributed's per-group tables (pinned in tests/test_torch.py)
+_ALIAS_TABLES = ("pg_group_ranks", "pg_map", "pg_backend_config")
+
+
+def _restore_groups(swapped: List[Tuple[str, Any, Any]]) -> None:
+    c10d = dist.distributed_c10d
+    for name, pg, wrapper in swapped:
+        _unregister_process_group(name)
+        _register_process_group(name, pg)
+        for table in _ALIAS_TABLES:
+            getattr(c10d._world, table).pop(wrapper, None)
+
+
+_wrappers: Dict[Any, NvrarProcessGroup] = {}
+
+
 class patch:
-    """Route ``torch.distributed.all_reduce`` calls to nvrar while active (context manager or
-    decorator). Calls nvrar does not serve (per the policy) and every other collective go to the
-    group's own backend, unchanged. Nesting is allowed."""
+    """Route the all-reduces of unchanged code to nvrar while active (context manager or
+    decorator; nestable):
+
+    * ``torch.distributed.all_reduce`` (any group) is swapped for :func:`all_reduce`;
+    * the functional collectives ``_c10d_functional.all_reduce``, ``all_reduce_`` and
+      ``all_reduce_coalesced`` (DTensor's Partial -> Replicate, compiled graphs) of every group
+      that exists at entry: torch resolves them by group name, and the registry then names a
+      wrapper whose all-reduces follow the policy (its other collectives: the group's backends).
+
+    Calls nvrar does not serve (per the policy) and every other collective go to the group's own
+    backend, unchanged. Groups created while patched get the dist.all_reduce routing only.
+    """
 
     _depth = 0
     _lock = threading.Lock()
     _saved: Tuple[Any, Any] = (None, None)
+    _swapped: List[Tuple[str, Any, Any]] = []
 
     def __enter__(self) -> "patch":
         with patch._lock:
             if patch._depth == 0:
                 # Whatever is installed now comes back on exit (another library's patch included).
                 patch._saved = (dist.all_reduce, dist.distributed_c10d.all_reduce)
+                patch._swapped = _swap_groups() if dist.is_initialized() else []
                 dist.all_reduce = all_reduce
                 dist.distributed_c10d.all_reduce = all_reduce
             patch._depth += 1
@@ -290,6 +269,8 @@ class patch:
             patch._depth -= 1
             if patch._depth == 0:
                 dist.all_reduce, dist.distributed_c10d.all_reduce = patch._saved
+                _restore_groups(patch._swapped)
+                patch._swapped = []
 
     def __call__(self, fn: Callable) -> Callable:
         @functools.wraps(fn)

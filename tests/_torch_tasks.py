@@ -156,6 +156,8 @@ def task_patch(args: dict) -> dict:
     h = torch.ones(6, dtype=torch.float64)
     nt.all_reduce(h, "max")
     res["string_op_native_ok"] = bool(torch.all(g == world)) and bool(torch.all(h == 1))
+    k = torch.ones(4)
+    res["inplace_op_returns_its_tensor"] = torch.ops.nvrar.all_reduce_(k, "sum", "") is k and bool(torch.all(k == world))
     try:
         nt.all_reduce(torch.ones(2), "median")
         res["bad_op"] = None
@@ -200,3 +202,262 @@ def task_select(args: dict) -> dict:
 
 
 TASKS = {"tp": task_tp, "compile": task_compile, "patch": task_patch, "select": task_select}
+
+
+# -- the "nvrar" backend and patch() over DTensor / functional collectives ----------------------
+
+def int_mlp(hidden: int, seed: int = 0) -> torch.nn.Module:
+    """An MLP with small-integer weights: every product and sum is an exact float32 integer."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden, bias=False), torch.nn.ReLU(),
+                            torch.nn.Linear(4 * hidden, hidden, bias=False))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape, generator=g).float())
+    return m
+
+
+def tp_mlp(mesh, hidden: int = 32) -> torch.nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(int_mlp(hidden), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def mlp_inputs(hidden: int = 32):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(-3, 4, (4, hidden), generator=g).float() for _ in range(3)]
+
+
+def dtensor_cases(mesh, reference_mesh, compile_backend, nt, group) -> dict:
+    """The TP MLP through parallelize_module on `mesh`, eager and (optionally) compiled, against
+    the same module on `reference_mesh` (gloo) and unsharded; served counts on `group`."""
+    res = {}
+    model, ref = tp_mlp(mesh), tp_mlp(reference_mesh)
+    full = int_mlp(32)
+    xs = mlp_inputs()
+    with torch.no_grad():
+        want = [ref(x) for x in xs]  # first: a cache keyed by an equal mesh would hand its group on
+        before = nt.stats(group)
+        outs = [model(x) for x in xs]
+        res["eager_delta"] = nt.stats(group)["nvrar"] - before["nvrar"]
+        res["eager_equal_gloo"] = all(torch.equal(a, b) for a, b in zip(outs, want))
+        res["eager_equal_unsharded"] = all(torch.equal(a, full(x)) for a, x in zip(outs, xs))
+        res["nonzero"] = all(bool(o.abs().sum() > 0) for o in outs)
+        if compile_backend:
+            compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+            before = nt.stats(group)
+            got = [compiled(x) for x in xs]
+            res["compiled_delta"] = nt.stats(group)["nvrar"] - before["nvrar"]
+            res["compiled_equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
+    return res
+
+
+def functional_cases(nt, group) -> dict:
+    import torch.distributed._functional_collectives as fc
+
+    world = dist.get_world_size(group)
+    name = group.group_name
+    res = {}
+    before = nt.stats(group)
+    y = fc.all_reduce(torch.full((5,), 2.0), "sum", group)
+    x = torch.full((6,), 3.0)
+    ret = torch.ops._c10d_functional.all_reduce_(x, "sum", name)
+    torch.ops._c10d_functional.wait_tensor(x)
+    outs = []
+    for tensors in ([torch.ones(4), torch.ones(2)], [torch.ones(3, dtype=torch.float64)] * 2):  # gloo: one dtype
+        outs += torch.ops._c10d_functional.all_reduce_coalesced(tensors, "sum", name)
+    outs = [torch.ops._c10d_functional.wait_tensor(o) for o in outs]
+    after = nt.stats(group)
+    res["values"] = bool(torch.equal(torch.as_tensor(y), torch.full((5,), 2.0 * world))
+                         and torch.equal(x, torch.full((6,), 3.0 * world)) and ret is x
+                         and all(bool(torch.all(o == world)) for o in outs))
+    res["nvrar_delta"] = after["nvrar"] - before["nvrar"]     # all_reduce, all_reduce_, 2 coalesced float32
+    res["native_delta"] = after["native"] - before["native"]  # 2 coalesced float64
+    return res
+
+
+def other_collectives(group, reference) -> dict:
+    """Every other collective on `group` gives what it gives on the gloo group `reference`."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = {}
+    for name, pg in (("mine", group), ("ref", reference)):
+        r = {}
+        t = torch.arange(4.0) + 10 * rank
+        lst = [torch.empty(4) for _ in range(world)]
+        dist.all_gather(lst, t, group=pg)
+        r["all_gather"] = torch.stack(lst)
+        big = torch.empty(4 * world)
+        dist.all_gather_into_tensor(big, t, group=pg)
+        r["all_gather_into_tensor"] = big
+        rs = torch.empty(2)
+        dist.reduce_scatter_tensor(rs, torch.arange(2.0 * world) * (rank + 1), group=pg)
+        r["reduce_scatter_tensor"] = rs
+        b = torch.full((3,), float(rank))
+        dist.broadcast(b, src=dist.get_global_rank(pg, world - 1), group=pg)
+        r["broadcast"] = b
+        dist.barrier(group=pg)
+        a2a = torch.empty(world)
+        dist.all_to_all_single(a2a, torch.arange(float(world)) + 100 * rank, group=pg)
+        r["all_to_all_single"] = a2a
+        red = torch.full((2,), float(rank + 1))
+        dist.reduce(red, dst=dist.get_global_rank(pg, 0), group=pg)
+        r["reduce_dst"] = red if rank == 0 else torch.zeros(0)
+        objs = [None] * world
+        dist.all_gather_object(objs, {"rank": rank}, group=pg)
+        r["all_gather_object"] = torch.tensor([o["rank"] for o in objs])
+        # send/recv in a ring
+        nxt, prv = dist.get_global_rank(pg, (rank + 1) % world), dist.get_global_rank(pg, (rank - 1) % world)
+        got = torch.empty(2)
+        if rank % 2 == 0:
+            dist.send(torch.full((2,), float(rank)), nxt, group=pg)
+            dist.recv(got, prv, group=pg)
+        else:
+            dist.recv(got, prv, group=pg)
+            dist.send(torch.full((2,), float(rank)), nxt, group=pg)
+        r["send_recv"] = got
+        out[name] = r
+    return {k: bool(torch.equal(out["mine"][k], out["ref"][k])) for k in out["ref"]}
+
+
+def work_cases(nt, group) -> dict:
+    """The Work handles tell the truth, also about a failure (a closed communicator: every rank
+    alike), and nt.reset() brings the group back."""
+    from nvrar.errors import NvrarError
+
+    world = dist.get_world_size(group)
+    res = {}
+    t = torch.ones(64)
+    w = dist.all_reduce(t, async_op=True, group=group)
+    res["ok_type"] = type(w).__name__
+    res["ok"] = [w.is_completed(), w.is_success(), w.exception() is None, bool(w.wait()), bool(torch.all(t == world))]
+    fut = dist.all_reduce(torch.ones(3), async_op=True, group=group).get_future()
+    res["future"] = bool(torch.all(fut.wait()[0] == world))
+    nt.communicator(group).close()
+    w = dist.all_reduce(torch.ones(64), async_op=True, group=group)
+    res["failed"] = [w.is_completed(), w.is_success(), type(w.exception()).__name__]
+    try:
+        w.wait()
+        res["failed_wait"] = None
+    except NvrarError as exc:
+        res["failed_wait"] = str(exc)
+    try:
+        dist.all_reduce(torch.ones(64), group=group)
+        res["failed_sync"] = None
+    except NvrarError as exc:
+        res["failed_sync"] = str(exc)
+    nt.reset()
+    t = torch.ones(64)
+    dist.all_reduce(t, group=group)
+    res["after_reset"] = bool(torch.all(t == world)) and nt.stats(group)["nvrar"] == 1
+    return res
+
+
+def task_backend(args: dict) -> dict:
+    """init_process_group("nvrar"): DTensor TP (eager, compiled), functional collectives, every
+    other collective against gloo, sub-groups, rank-consistent fallback, Work."""
+    import nvrar.torch as nt
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(args.get("backend_string", "nvrar"), timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    world_pg = dist.group.WORLD
+    gloo = dist.new_group(backend="gloo")
+    res = {"type": type(world_pg).__name__, "backend": dist.get_backend()}
+    # distinct dim names: DTensor takes meshes over the same ranks for equal (and caches by them)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref_mesh = DeviceMesh.from_group(gloo, "cpu", mesh_dim_names=("ref",))
+    res["mesh_group_is_world"] = mesh.get_group() is world_pg
+    res["dtensor"] = dtensor_cases(mesh, ref_mesh, args.get("compile"), nt, world_pg)
+    res["functional"] = functional_cases(nt, world_pg)
+    before = nt.stats()
+    f64 = torch.ones(5, dtype=torch.float64)
+    dist.all_reduce(f64)                                  # dtype nvrar does not reduce: native
+    prod = torch.full((3,), 2.0)
+    dist.all_reduce(prod, op=dist.ReduceOp.PRODUCT)       # op nvrar does not do: native
+    res["native_values"] = bool(torch.all(f64 == world) and torch.all(prod == 2.0 ** world))
+    res["native_delta"] = nt.stats()["native"] - before["native"]
+    res["others"] = other_collectives(world_pg, gloo)
+    if world >= 4:  # a sub-group of the nvrar backend, and a 2-D mesh
+        sub = dist.new_group([0, 1])
+        if rank in (0, 1):
+            t = torch.ones(10)
+            dist.all_reduce(t, group=sub)
+            res["sub"] = [type(sub).__name__, bool(torch.all(t == 2)), nt.stats(sub)]
+        mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        tp = mesh2["tp"]
+        res["mesh2_type"] = type(tp.get_group()).__name__
+        half = world // 2
+        gloo_rows = [dist.new_group(list(range(i * half, (i + 1) * half)), backend="gloo") for i in range(2)]
+        gloo_tp = gloo_rows[rank // half]
+        res["mesh2_dtensor"] = dtensor_cases(tp, DeviceMesh.from_group(gloo_tp, "cpu", mesh_dim_names=("ref",)), None, nt, tp.get_group())
+    res["work"] = work_cases(nt, world_pg)
+    before = nt.stats()
+    nt.all_reduce(torch.ones(8))
+    res["nt_all_reduce_counted_once"] = nt.stats()["nvrar"] - before["nvrar"]
+    nt.reset()
+    finish()
+    return res
+
+
+def task_patch_dtensor(args: dict) -> dict:
+    """Unchanged DTensor / functional code over gloo groups, under patch(): served by nvrar;
+    outside patch(): not."""
+    import nvrar.torch as nt
+    from torch._C._distributed_c10d import _resolve_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init()
+    world_pg = dist.group.WORLD
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    res = {}
+    res["outside"] = dtensor_cases(mesh, mesh, None, nt, world_pg)
+    with nt.patch():
+        res["registry_swapped"] = type(_resolve_process_group(world_pg.group_name)).__name__
+        res["inside"] = dtensor_cases(mesh, mesh, args.get("compile"), nt, world_pg)
+        res["functional"] = functional_cases(nt, world_pg)
+    res["registry_restored"] = _resolve_process_group(world_pg.group_name) is world_pg
+    before = nt.stats()
+    functional_cases(nt, world_pg)
+    res["after_exit_delta"] = nt.stats()["nvrar"] - before["nvrar"]
+    nt.reset()
+    finish()
+    return res
+
+
+def task_hosts(args: dict) -> dict:
+    """Ranks on two hosts (the upper half in a UTS namespace of its own, with another hostname):
+    the CPU executor cannot serve the world group, so every rank falls back to gloo for it; the
+    sub-group of each host is served by nvrar."""
+    import ctypes
+    import socket
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank >= world // 2:
+        if ctypes.CDLL(None, use_errno=True).unshare(0x04000000) != 0:  # CLONE_NEWUTS
+            return {"skip": f"unshare(CLONE_NEWUTS): errno {ctypes.get_errno()}"}
+        socket.sethostname("nvrar-test-second-host")
+    import nvrar.torch as nt
+
+    torch.set_num_threads(1)
+    dist.init_process_group("nvrar", timeout=datetime.timedelta(seconds=120))
+    res = {"host": socket.gethostname()}
+    subs = [dist.new_group(list(range(world // 2))), dist.new_group(list(range(world // 2, world)))]
+    mine = subs[rank // (world // 2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = torch.ones(100)
+        dist.all_reduce(t)
+    res["world_value"] = bool(torch.all(t == world))
+    res["world_stats"] = nt.stats()
+    res["warned"] = any("cannot serve" in str(w.message) for w in caught)
+    t = torch.ones(100)
+    dist.all_reduce(t, group=mine)
+    res["sub_value"] = bool(torch.all(t == world // 2))
+    res["sub_stats"] = nt.stats(mine)
+    nt.reset()
+    finish()
+    return res
+
+
+TASKS.update({"backend": task_backend, "patch_dtensor": task_patch_dtensor, "hosts": task_hosts})

@@ -43,6 +43,7 @@ def test_patch_routes_unchanged_code():
         assert rep["after_decorator"] == 1
         assert rep["async_ok"]
         assert rep["string_op_native_ok"]
+        assert rep["inplace_op_returns_its_tensor"]  # issue 12: it returned None
         assert rep["bad_op"] and "median" in rep["bad_op"]
 
 
@@ -139,3 +140,95 @@ def test_nvrar_tune_rejects_bad_arguments(tmp_path):
     res = subprocess.run([sys.executable, "-m", "nvrar.cli", "tune", "--iters", "0"], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
     assert res.returncode == 2 and "--iters" in res.stderr
+
+
+# -- the "nvrar" torch.distributed backend, patch() over functional collectives and DTensor ------
+
+def test_torch_internals_nvrar_relies_on():
+    """What nvrar/_torch_backend.py and patch() rely on in torch.distributed; a torch release that
+    changes one of these fails here first, by name."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch._C._distributed_c10d import (_register_process_group, _resolve_process_group,  # noqa: F401
+                                            _unregister_process_group)
+
+    import nvrar.torch as nt
+
+    assert "nvrar" in dist.Backend.backend_list and dist.Backend._plugins["NVRAR"].extended_api
+    assert dist.Backend.backend_capability["nvrar"] == ["cpu", "cuda"]
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"  # registering did not take cpu over
+    helper = inspect.getsource(c10d._new_process_group_helper)
+    # a creator returning a ProcessGroup becomes the group; the extended API passes these fields
+    assert "issubclass(type(backend_class), ProcessGroup)" in helper and "pg = backend_class" in helper
+    for field in ("store", "group_rank", "group_size", "timeout", "group_id", "global_ranks_in_group"):
+        assert f"dist_backend_opts.{field} =" in helper, field
+    # Python subclasses of ProcessGroup and Work are reached from C++ (pybind trampolines)
+    assert issubclass(nt.NvrarProcessGroup, dist.ProcessGroup) and issubclass(nt.Work, dist.Work)
+    for method in ("_register_backend", "_set_default_backend", "_get_backend", "_device_types", "_set_group_name"):
+        assert hasattr(dist.ProcessGroup, method), method
+    # patch(): the per-group tables it aliases, and the registry the functional collectives resolve
+    for table in nt._ALIAS_TABLES + ("pg_names",):
+        assert isinstance(getattr(c10d._world, table), dict), table
+    for op in ("all_reduce", "all_reduce_", "all_reduce_coalesced"):
+        assert "group_name)" in str(getattr(torch.ops._c10d_functional, op).default._schema), op
+    # issue 12: the in-place custom op returns its tensor
+    assert str(torch.ops.nvrar.all_reduce_.default._schema).endswith("-> Tensor(a!)")
+
+
+def test_nvrar_backend_4_ranks_dtensor_functional_and_every_other_collective():
+    reports = assert_all_ok(launch(4, "backend", {"compile": "aot_eager"}, timeout=500))
+    for rank, rep in enumerate(reports):
+        assert rep["type"] == "NvrarProcessGroup" and rep["backend"] == "nvrar" and rep["mesh_group_is_world"], rep
+        d = rep["dtensor"]
+        assert d["eager_equal_gloo"] and d["eager_equal_unsharded"] and d["nonzero"] and d["compiled_equal"], d
+        assert d["eager_delta"] == 3 and d["compiled_delta"] == 3, d  # one Partial -> Replicate per forward
+        assert rep["functional"] == {"values": True, "nvrar_delta": 4, "native_delta": 2}, rep["functional"]
+        assert rep["native_values"] and rep["native_delta"] == 2, rep
+        assert all(rep["others"].values()), rep["others"]
+        assert len(rep["others"]) == 8
+        if rank < 2:
+            assert rep["sub"] == ["NvrarProcessGroup", True, {"nvrar": 1, "native": 0}], rep["sub"]
+        assert rep["mesh2_type"] == "NvrarProcessGroup"
+        m2 = rep["mesh2_dtensor"]
+        assert m2["eager_equal_gloo"] and m2["eager_equal_unsharded"] and m2["eager_delta"] == 3, m2
+        w = rep["work"]
+        assert w["ok_type"] == "Work" and w["ok"] == [True, True, True, True, True] and w["future"], w
+        assert w["failed"] == [True, False, "NvrarError"], w
+        assert "closed" in w["failed_wait"] and "closed" in w["failed_sync"], w
+        assert w["after_reset"], w
+        assert rep["nt_all_reduce_counted_once"] == 1
+
+
+def test_nvrar_backend_compiled_with_inductor_2_ranks():
+    reports = assert_all_ok(launch(2, "backend", {"compile": "inductor", "backend_string": "cpu:nvrar"},
+                                   timeout=500))
+    for rep in reports:
+        d = rep["dtensor"]
+        assert rep["backend"] == "cpu:nvrar" or rep["backend"] == "nvrar", rep["backend"]
+        assert d["compiled_equal"] and d["compiled_delta"] == 3 and d["eager_equal_gloo"], d
+        assert all(rep["others"].values()), rep["others"]
+
+
+def test_patch_routes_dtensor_and_functional_collectives():
+    reports = assert_all_ok(launch(4, "patch_dtensor", {"compile": "aot_eager"}, timeout=500))
+    for rep in reports:
+        assert rep["outside"]["eager_delta"] == 0 and rep["outside"]["eager_equal_unsharded"], rep["outside"]
+        assert rep["registry_swapped"] == "NvrarProcessGroup" and rep["registry_restored"], rep
+        inside = rep["inside"]
+        assert inside["eager_delta"] == 3 and inside["compiled_delta"] == 3, inside
+        assert inside["eager_equal_unsharded"] and inside["compiled_equal"], inside
+        assert rep["functional"] == {"values": True, "nvrar_delta": 4, "native_delta": 2}, rep["functional"]
+        assert rep["after_exit_delta"] == 0
+
+
+def test_group_across_hosts_falls_back_on_every_rank_and_host_subgroups_use_nvrar():
+    reports = assert_all_ok(launch(4, "hosts", {}, env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=300))
+    if any("skip" in r for r in reports):
+        pytest.skip(next(r["skip"] for r in reports if "skip" in r))
+    assert len({r["host"] for r in reports}) == 2
+    for rep in reports:
+        assert rep["world_value"] and rep["world_stats"] == {"nvrar": 0, "native": 1} and rep["warned"], rep
+        assert rep["sub_value"] and rep["sub_stats"] == {"nvrar": 1, "native": 0}, rep
