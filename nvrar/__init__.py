@@ -7,6 +7,8 @@ Public API:
     build_info()       what the native module was built with
 """
 
+from typing import Any, Dict
+
 from .errors import NvrarError, NvrarTimeoutError
 from .communicator import Communicator
 
@@ -26,7 +28,7 @@ def build_info() -> dict:
     from . import _C  # noqa: F401 - the CPU executor is always there
     from ._gpu import load
 
-    info = {"cuda": False, "nvshmem_version": None, "cuda_archs": [], "cpu_executor": True,
+    info: Dict[str, Any] = {"cuda": False, "nvshmem_version": None, "cuda_archs": [], "cpu_executor": True,
             "nvshmem_library_version": None, "gpus": 0, "cuda_error": None}
     mod, err = load()
     if mod is None:

@@ -55,7 +55,7 @@ class NvrarProcessGroup(dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int, natives: Dict[str, Any], *, store: Any = None, timeout: float = 60.0,
                  wrapped: Any = None, label: str = "") -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) constructor has no stub
         self._natives = natives
         self._store = store
         self._timeout = timeout
@@ -113,7 +113,7 @@ class NvrarProcessGroup(dist.ProcessGroup):
         return backend
 
     # -- the two all-reduces -------------------------------------------------------------------------
-    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]  # one Python method serves the overloads
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         if opts is None:
@@ -126,8 +126,7 @@ class NvrarProcessGroup(dist.ProcessGroup):
             return self._native(device).allreduce(tensors, opts)
         st = self._state(device)
         name = _op_or_none(opts.reduceOp)
-        choice = selector.NATIVE if name is None else st.decide_tensor(tensors[0], name)
-        if choice == selector.NATIVE:
+        if name is None or (choice := st.decide_tensor(tensors[0], name)) == selector.NATIVE:
             st.counts["native"] += 1
             return self._native(device).allreduce(tensors, opts)
         return st.run(tensors[0], name, choice)
@@ -148,7 +147,7 @@ class NvrarProcessGroup(dist.ProcessGroup):
         if native:
             st.counts["native"] += len(native)
             pending.append(self._native(device).allreduce_coalesced(native, opts))
-        works = [st.run(t, name, c) for t, c in zip(tensors, choices) if c != selector.NATIVE]
+        works = [st.run(t, name, c) for t, c in zip(tensors, choices) if name is not None and c != selector.NATIVE]
         failed = next((w.exception() for w in works if w.exception() is not None), None)
         events = [w._event for w in works if w._event is not None]
         return Work(tensors, failed, events[-1] if events else None, pending)

@@ -31,15 +31,15 @@ def op_name(op: Any) -> str:
             raise ValueError(f"nvrar.torch: unknown reduction {op!r}; use a torch.distributed.ReduceOp or one of "
                              f"{', '.join(n.lower() for n in REDUCE_OPS)}")
         return name
-    name = getattr(op, "name", None)
-    if name is None:  # ReduceOp instances compare equal to their RedOpType member
+    attr = getattr(op, "name", None)
+    if attr is None:  # ReduceOp instances compare equal to their RedOpType member
         for member in REDUCE_OPS:
             if hasattr(dist.ReduceOp, member) and op == getattr(dist.ReduceOp, member):
                 return member.lower()
         raise ValueError(f"nvrar.torch: unsupported reduction {op!r} (a PREMUL_SUM or custom op?)")
-    if name.upper() not in REDUCE_OPS:
+    if str(attr).upper() not in REDUCE_OPS:
         raise ValueError(f"nvrar.torch: unsupported reduction {op!r}")
-    return name.lower()
+    return str(attr).lower()
 
 
 def default_timeout() -> float:

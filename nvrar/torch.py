@@ -159,7 +159,7 @@ def _group_name(group: Any) -> str:
 def _group_from_name(name: str) -> Any:
     if name == "":
         return None
-    return dist.distributed_c10d._resolve_process_group(name)
+    return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]  # a GroupName is a str
 
 
 # The in-place op returns its (mutated) argument, as in-place ops do: Tensor(a!) -> Tensor(a!)
@@ -197,7 +197,7 @@ def _(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
 def _swap_groups() -> List[Tuple[str, Any, Any]]:
     """Put an NvrarProcessGroup wrapper in torch's registry of groups by name (what the
     functional collectives, DTensor and compiled graphs resolve) for every group there now."""
-    swapped = []
+    swapped: List[Tuple[Any, Any, Any]] = []
     c10d = dist.distributed_c10d
     for gone in [pg for pg in _wrappers if pg not in c10d._world.pg_names]:  # destroyed groups
         del _wrappers[gone]
@@ -222,7 +222,7 @@ def _swap_groups() -> List[Tuple[str, Any, Any]]:
 _ALIAS_TABLES = ("pg_group_ranks", "pg_map", "pg_backend_config")
 
 
-def _restore_groups(swapped: List[Tuple[str, Any, Any]]) -> None:
+def _restore_groups(swapped: List[Tuple[Any, Any, Any]]) -> None:
     c10d = dist.distributed_c10d
     for name, pg, wrapper in swapped:
         _unregister_process_group(name)

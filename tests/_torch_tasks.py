@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import json
 import os
 import warnings
 
@@ -49,7 +48,7 @@ def task_tp(args: dict) -> dict:
                            modulus=modulus)
         largest = [0.0]
 
-        def native_ar(t):
+        def native_ar(t, largest=largest):
             dist.all_reduce(t)
             largest[0] = max(largest[0], float(t.abs().max()))
 
