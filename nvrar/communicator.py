@@ -249,7 +249,7 @@ class Communicator:
                 "error": env_error,
                 "settings": {k: settings[k] for k in _AGREED} if settings else None,
             }
-            infos = [json.loads(b) for b in boot.allgather(json.dumps(mine).encode())]
+            infos = boot.allgather_json(mine, "settings")
             bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
             if bad:
                 raise ValueError("Communicator: bad settings on " + "; ".join(f"rank {r}: {e}" for r, e in bad))
@@ -317,14 +317,14 @@ class Communicator:
         self._ex = _C.CpuExecutor(self._rank, self._world, G, st["max_bytes"], st["heap_bytes"], oneshot, st["timeout"],
                                   st["jitter_us"], st["jitter_seed"], st["cma"], st["cma_min"],
                                   selector.cma_piece_bytes("cpu", G), st["ll_max"])
-        names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
+        names = boot.allgather_str(self._ex.segment_name, "segment name")
         status = {"error": "", "cma": False}
         try:
             self._ex.attach(names)
             status["cma"] = bool(self._ex.probe_cma())
         except NvrarError as exc:
             status["error"] = str(exc)
-        statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
+        statuses = boot.allgather_json(status, "attach status")
         self._ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
         failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
         if failed:
@@ -347,7 +347,7 @@ class Communicator:
                 status["error"] = f"device='cuda' needs a CUDA device: {why}"
             else:
                 status["device"] = _cuda_device(self._rank, G, n)
-        statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
+        statuses = boot.allgather_json(status, "device status")
         failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
         if failed:
             raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
