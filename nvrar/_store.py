@@ -293,6 +293,9 @@ class StoreServer:
         rank, nonce_c = _HELLO.unpack(value)
         if not 0 <= rank < self._expected:
             raise _Malformed(f"hello from rank {rank}, outside 0..{self._expected - 1}")
+        with self._cond:
+            if rank in self._connected:
+                raise _Malformed(f"rank {rank} is already connected (two processes started with RANK={rank}?)")
         if self._key is None:
             if not same_user:  # refused at accept already; never served
                 raise _Malformed("connection of an unknown user")
@@ -310,6 +313,11 @@ class StoreServer:
                 raise _Malformed(f"rank {rank} is already connected (two processes started with RANK={rank}?)")
             self._connected.add(rank)
         return rank
+
+    def _disconnected(self, rank: Optional[int]) -> None:
+        with self._cond:
+            if rank is not None and rank not in self._done:
+                self._connected.discard(rank)
 
     def _serve(self, conn: socket.socket, same_user: bool) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -361,6 +369,7 @@ class StoreServer:
                 else:
                     raise _Malformed(f"unexpected {_OP_NAMES[op]} after the handshake")
         except _Malformed as exc:
+            self._disconnected(rank)  # before the reply: the rank may reconnect as soon as it reads it
             try:
                 conn.settimeout(1.0)
                 _reply(conn, _ERROR, str(exc).encode())
@@ -369,6 +378,7 @@ class StoreServer:
         except (OSError, ConnectionError, struct.error):
             return
         finally:
+            self._disconnected(rank)
             conn.close()
 
     def wait_closed(self, timeout: float) -> None:
