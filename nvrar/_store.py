@@ -201,6 +201,7 @@ class StoreServer:
         self._done: Set[int] = set()
         self._connected: Set[int] = set()
         self._pending = 0
+        self.refused: List[str] = []  # why connections were refused (the first few), for rank 0's errors
         self._expected = expected_clients
         self._deadline = time.monotonic() + timeout
         infos = resolve(host, port, "rank 0 (serving the rendezvous store)", passive=True)
@@ -254,6 +255,8 @@ class StoreServer:
                            "every rank has the same NVRAR_SESSION_SECRET; this connection comes from another host "
                            f"or network namespace ({peer[0]})")
             with self._cond:
+                if refusal and len(self.refused) < 4:
+                    self.refused.append(refusal)
                 if self._pending >= _MAX_PENDING and (refusal or owner is None):
                     conn.close()  # a flood of strangers: drop without a word
                     continue

@@ -282,9 +282,11 @@ class StoreBootstrap(Bootstrap):
         for r in range(self.world_size):
             got = self._client.get(base + str(r).encode(), max(0.0, deadline - time.monotonic()))
             if got is None:
+                refused = self._server.refused if self._server is not None else []
                 raise NvrarTimeoutError(
                     f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s for rank {r} at rendezvous round "
-                    f"{self._round}; rank {r} never arrived (dead, or launched with other RANK/WORLD_SIZE?)",
+                    f"{self._round}; rank {r} never arrived (dead, or launched with other RANK/WORLD_SIZE?)"
+                    + (f"; the store refused connections: {'; '.join(refused)}" if refused else ""),
                     rank=self.rank, peer=r, phase="bootstrap", step=self._round, kind="timeout",
                 )
             out.append(got)

@@ -63,6 +63,23 @@ def test_another_user_is_refused_and_the_ranks_are_unaffected():
     print(summary["attempts"], "attempts,", summary["connected"], "connections, replies:", summary["replies"][:3])
 
 
+def test_rank_0_names_the_refused_connections_when_a_rank_never_arrives():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the intruder as another user (uid 65534)")
+    port = free_port()
+    intruder = subprocess.Popen([sys.executable, INTRUDER, str(port), "3", "--setuid", "65534"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(intruder.stdout.readline() or "{}").get("ready"), intruder.stderr.read()
+        res = launch(2, "store", {"timeout": 3}, start=[0], env={"MASTER_PORT": str(port)}, timeout=60)
+    finally:
+        intruder.kill()
+        intruder.communicate()
+    exc = res[0].report["exception"]
+    assert exc["is_timeout"] and "rank 1 never arrived" in exc["message"], exc
+    assert "the store refused connections" in exc["message"] and "uid 65534" in exc["message"], exc
+
+
 def test_without_the_session_secret_a_client_is_refused_and_the_ranks_are_unaffected():
     """With NVRAR_SESSION_SECRET, a process of the same user that lacks it cannot take part:
     forged proofs, garbage and oversized messages are refused; the ranks compute correctly."""
