@@ -108,7 +108,9 @@ def numpy_info(x: np.ndarray, what: str) -> Tuple[int, int, int]:
     return _buffer_address(x), x.size, code
 
 
-def torch_info(x: Any, what: str, device: str = "cpu", index: int = 0) -> Tuple[int, int, int]:
+def torch_info(x: Any, what: str, device: str = "cpu", index: int = 0, write: bool = False) -> Tuple[int, int, int]:
+    """(pointer, element count, dtype code) of a torch tensor, or a TypeError/ValueError; with
+    ``write``, a CPU tensor in read-only memory is refused (a write there would be SIGSEGV)."""
     code = torch_dtype_code(x.dtype)
     if code is None:
         raise unsupported_dtype(x, what)
@@ -123,7 +125,66 @@ def torch_info(x: Any, what: str, device: str = "cpu", index: int = 0) -> Tuple[
     if x.is_neg() or x.is_conj():
         raise ValueError(f"all_reduce: {what} is a lazily negated or conjugated view; pass .resolve_neg() / "
                          ".resolve_conj()")
+    if write and device == "cpu" and x.numel() and not _torch_writable(x):
+        raise ValueError(f"all_reduce: {what} lies in read-only memory (for example torch.from_numpy of a read-only "
+                         f"numpy.memmap); pass a writeable tensor{' or out=' if what == 'x' else ''}")
     return x.data_ptr(), x.numel(), code
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing; EINVAL/EFAULT if it cannot
+_madvise: Any = None
+
+
+def _torch_writable(x: Any) -> bool:
+    """Whether the memory of CPU tensor ``x`` may be written. Storages of torch's own allocator
+    (resizable) always may; others (from numpy, a buffer, a file) are probed: the first and last
+    page through madvise(MADV_POPULATE_WRITE) (microseconds, nothing written), and where that
+    refuses, the permissions of /proc/self/maps (exact)."""
+    try:
+        if x.untyped_storage().resizable():
+            return True
+    except (AttributeError, RuntimeError):
+        pass
+    return writable_range(x.data_ptr(), x.numel() * x.element_size())
+
+
+def writable_range(ptr: int, nbytes: int) -> bool:
+    global _madvise
+    if not sys.platform.startswith("linux"):
+        return True
+    if _madvise is None:
+        import ctypes
+        import mmap
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        _madvise = (fn, mmap.PAGESIZE)
+    fn, page = _madvise
+    first, last = ptr & ~(page - 1), (ptr + nbytes - 1) & ~(page - 1)
+    if fn(first, page, _MADV_POPULATE_WRITE) == 0 and (last == first or fn(last, page, _MADV_POPULATE_WRITE) == 0):
+        return True
+    return _maps_writable(ptr, ptr + nbytes)
+
+
+def _maps_writable(start: int, end: int) -> bool:
+    """Every byte of [start, end) in a mapping with write permission (/proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return True  # cannot tell: the numpy-style flags were all there was to check
+    pos = start
+    for line in lines:
+        span, perms = line.split()[:2]
+        lo, hi = (int(v, 16) for v in span.split("-"))
+        if hi <= pos or lo > pos:
+            continue
+        if "w" not in perms:
+            return False
+        pos = hi
+        if pos >= end:
+            return True
+    return False
 
 
 def is_cupy(x: Any) -> bool:

@@ -14,6 +14,7 @@ byte strings and a barrier, each bounded by a deadline. Chosen in this order:
 
 from __future__ import annotations
 
+import json as _json
 import os
 import sys
 import time
@@ -84,6 +85,26 @@ class Bootstrap:
 
     def allgather(self, value: bytes) -> List[bytes]:
         raise NotImplementedError
+
+    def allgather_json(self, obj: Any, what: str) -> List[Any]:
+        """All-gather of a JSON-able value; a rank's value that does not decode raises NvrarError
+        naming that rank and ``what`` (never a bare UnicodeDecodeError / JSONDecodeError)."""
+        return [self._decode(r, v, what, json=True) for r, v in enumerate(self.allgather(_json.dumps(obj).encode()))]
+
+    def allgather_str(self, text: str, what: str) -> List[str]:
+        """All-gather of a string, decoded like :meth:`allgather_json`."""
+        return [self._decode(r, v, what, json=False) for r, v in enumerate(self.allgather(text.encode()))]
+
+    def _decode(self, r: int, value: bytes, what: str, json: bool) -> Any:
+        try:
+            text = value.decode()
+            return _json.loads(text) if json else text
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise NvrarError(
+                f"bootstrap: rank {self.rank} received from rank {r} a {what} that does not decode "
+                f"({type(exc).__name__}: {exc}; first bytes {value[:32]!r}): a rank of another nvrar version, or "
+                f"not an nvrar rank", rank=self.rank, peer=r, phase="bootstrap",
+            ) from None
 
     def barrier(self) -> None:
         self.allgather(b"")
@@ -201,8 +222,26 @@ class _TorchStoreAdapter:
         pass
 
 
+_MIN_SECRET = 16
+
+
+def _session_key() -> Optional[bytes]:
+    """The HMAC key of NVRAR_SESSION_SECRET, None when unset (see NOTE [store trust] in _store)."""
+    from . import env
+    from ._store import secret_key
+
+    secret = env.get_str("NVRAR_SESSION_SECRET")
+    if secret is None:
+        return None
+    if len(secret) < _MIN_SECRET:
+        raise NvrarError(f"NVRAR_SESSION_SECRET has {len(secret)} characters; use at least {_MIN_SECRET} random ones "
+                         "(e.g. python -c 'import secrets; print(secrets.token_hex(16))')")
+    return secret_key(secret)
+
+
 class StoreBootstrap(Bootstrap):
-    """Over a key-value store: nvrar's own TCP store, or torchrun's agent store."""
+    """Over a key-value store: nvrar's own TCP store (see NOTE [store trust] in _store), or
+    torchrun's agent store (whose trust is torchrun's)."""
 
     kind = "env"
     _sequence = 0  # rendezvous counter: every rank creates communicators in the same order
@@ -222,10 +261,12 @@ class StoreBootstrap(Bootstrap):
             self._client: Any = _TorchStoreAdapter(host, port, timeout, rank)
         else:
             session = self._prefix.encode()
+            key = _session_key()
             if rank == 0:
-                self._server = StoreServer(host, port, expected_clients=world_size, timeout=timeout, session=session)
+                self._server = StoreServer(host, port, expected_clients=world_size, timeout=timeout, session=session,
+                                           secret=key)
             try:
-                self._client = StoreClient(host, port, timeout, rank, session=session)
+                self._client = StoreClient(host, port, timeout, rank, session=session, secret=key)
             except BaseException:
                 if self._server is not None:
                     self._server.wait_closed(0.0)
@@ -241,9 +282,11 @@ class StoreBootstrap(Bootstrap):
         for r in range(self.world_size):
             got = self._client.get(base + str(r).encode(), max(0.0, deadline - time.monotonic()))
             if got is None:
+                refused = self._server.refused if self._server is not None else []
                 raise NvrarTimeoutError(
                     f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s for rank {r} at rendezvous round "
-                    f"{self._round}; rank {r} never arrived (dead, or launched with other RANK/WORLD_SIZE?)",
+                    f"{self._round}; rank {r} never arrived (dead, or launched with other RANK/WORLD_SIZE?)"
+                    + (f"; the store refused connections: {'; '.join(refused)}" if refused else ""),
                     rank=self.rank, peer=r, phase="bootstrap", step=self._round, kind="timeout",
                 )
             out.append(got)
@@ -281,14 +324,29 @@ def create(group: Any, timeout: float) -> Bootstrap:
                 "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
             ) from None
         return MPIBootstrap(MPI.COMM_WORLD, timeout)
-    world = _int_env("WORLD_SIZE")
+    raw_world = os.environ.get("WORLD_SIZE", "")
+    world = _strict_int("WORLD_SIZE", raw_world, 1) if raw_world.strip() else None
     if world is not None and world > 1:
-        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k, "").strip()]
         if missing:
             raise NvrarError(f"WORLD_SIZE={world} is set but {', '.join(missing)} is not; cannot bootstrap")
-        rank = _int_env("RANK")
-        assert rank is not None
-        if not 0 <= rank < world:
-            raise NvrarError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
-        return StoreBootstrap(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+        rank = _strict_int("RANK", os.environ["RANK"], 0)
+        if rank >= world:
+            raise NvrarError(f"RANK={rank} is out of range for WORLD_SIZE={world} (0..{world - 1})")
+        port = _strict_int("MASTER_PORT", os.environ["MASTER_PORT"], 1)
+        if port > 65535:
+            raise NvrarError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+        return StoreBootstrap(rank, world, os.environ["MASTER_ADDR"].strip(), port, timeout)
     return SingleBootstrap(timeout)
+
+
+def _strict_int(name: str, raw: str, minimum: int) -> int:
+    """A launcher variable that must be a whole number >= minimum, or an NvrarError naming it."""
+    text = raw.strip()
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise NvrarError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise NvrarError(f"{name}={raw!r} must be >= {minimum}")
+    return value

@@ -249,7 +249,7 @@ class Communicator:
                 "error": env_error,
                 "settings": {k: settings[k] for k in _AGREED} if settings else None,
             }
-            infos = [json.loads(b) for b in boot.allgather(json.dumps(mine).encode())]
+            infos = boot.allgather_json(mine, "settings")
             bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
             if bad:
                 raise ValueError("Communicator: bad settings on " + "; ".join(f"rank {r}: {e}" for r, e in bad))
@@ -317,14 +317,14 @@ class Communicator:
         self._ex = _C.CpuExecutor(self._rank, self._world, G, st["max_bytes"], st["heap_bytes"], oneshot, st["timeout"],
                                   st["jitter_us"], st["jitter_seed"], st["cma"], st["cma_min"],
                                   selector.cma_piece_bytes("cpu", G), st["ll_max"])
-        names = [b.decode() for b in boot.allgather(self._ex.segment_name.encode())]
+        names = boot.allgather_str(self._ex.segment_name, "segment name")
         status = {"error": "", "cma": False}
         try:
             self._ex.attach(names)
             status["cma"] = bool(self._ex.probe_cma())
         except NvrarError as exc:
             status["error"] = str(exc)
-        statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
+        statuses = boot.allgather_json(status, "attach status")
         self._ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
         failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
         if failed:
@@ -347,7 +347,7 @@ class Communicator:
                 status["error"] = f"device='cuda' needs a CUDA device: {why}"
             else:
                 status["device"] = _cuda_device(self._rank, G, n)
-        statuses = [json.loads(b) for b in boot.allgather(json.dumps(status).encode())]
+        statuses = boot.allgather_json(status, "device status")
         failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
         if failed:
             raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
@@ -478,7 +478,7 @@ class Communicator:
             tensor = _arrays.torch_tensor_type()
             if tensor is None or not isinstance(x, tensor):
                 raise TypeError(f"all_reduce: x must be a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
-            ptr, count, code = _arrays.torch_info(x, "x")
+            ptr, count, code = _arrays.torch_info(x, "x", write=out is None)
             optr = ptr if out is None else self._check_out_torch(x, out, ptr, count)
         try:
             opc = _FAST_OPS[op]
@@ -564,7 +564,7 @@ class Communicator:
         if self._device == "cuda":
             optr, _, _ = _arrays.torch_info(out, "out", device="cuda", index=self._cuda_device)
         else:
-            optr, _, _ = _arrays.torch_info(out, "out")
+            optr, _, _ = _arrays.torch_info(out, "out", write=True)
         self._overlap_check(ptr, optr, count * x.element_size())
         return optr
 
@@ -581,11 +581,12 @@ class Communicator:
         if any(s < 0 for s in shape_t):
             raise ValueError(f"empty: negative dimension in shape {shape_t}")
         kind, dt, _, itemsize = _resolve_dtype(dtype)
-        nbytes = int(np.prod(shape_t, dtype=np.int64)) * itemsize
+        nbytes = math.prod(shape_t) * itemsize  # exact: a product that overflows int64 is just too large
         off = self._pool.alloc(nbytes)
         if off is None:
             raise NvrarError(
-                f"empty: the symmetric heap has no free block of {nbytes} bytes (pool {self._pool.size} bytes, "
+                f"empty: shape {shape_t} of {dt} needs {nbytes} bytes, and the symmetric heap has no free block of "
+                f"that size (pool {self._pool.size} bytes, "
                 f"largest free {self._pool.largest_free()}); pass heap_bytes= or set NVRAR_HEAP_BYTES"
             )
         ex = self._ex

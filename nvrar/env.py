@@ -73,6 +73,14 @@ VARIABLES: Dict[str, EnvVar] = {
             "Tuning tables written by `nvrar tune`, read when nvrar.torch sets up a group; a table is "
             "used only for the device, world size and ranks per node it was measured on.",
         ),
+        EnvVar(
+            "NVRAR_SESSION_SECRET",
+            "",
+            "Rendezvous through nvrar's TCP store (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT): a secret of at "
+            "least 16 characters, equal on every rank, that every client of the store must prove (mutual "
+            "HMAC). Unset: the store serves only this user's processes on this host (socket owner checked). "
+            "Needed when ranks on several hosts rendezvous through it.",
+        ),
         EnvVar("NVRAR_JITTER_SEED", "0", "Testing: seed of the jitter generator (mixed with the rank)."),
         EnvVar(
             "NVRAR_CMA",

@@ -220,6 +220,22 @@ def bad_input_cases(torch: Any) -> Dict[str, Tuple[Callable[[Any], Any], str, st
         a.flags.writeable = False
         return c.all_reduce(a)
 
+    def readonly_map(c, as_out):
+        # A tensor over a read-only file mapping: a write there is SIGSEGV, not an exception.
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that the array is not writable
+                t = torch.from_numpy(np.memmap(f.name, dtype=np.float32, mode="r"))
+            if as_out:
+                return c.all_reduce(torch.zeros(1024), out=t)
+            return c.all_reduce(t)
+
     def overlap(c):
         a = np.zeros(8, np.float32)
         return c.all_reduce(a[:4], out=a[2:6])
@@ -228,6 +244,8 @@ def bad_input_cases(torch: Any) -> Dict[str, Tuple[Callable[[Any], Any], str, st
         "non_contiguous_numpy": (lambda c: c.all_reduce(np.zeros((4, 4), np.float32)[:, ::2]), "ValueError", "contiguous"),
         "non_contiguous_torch": (lambda c: c.all_reduce(torch.zeros(4, 3).t()), "ValueError", "contiguous"),
         "read_only": (readonly, "ValueError", "read-only"),
+        "read_only_torch_memmap": (lambda c: readonly_map(c, False), "ValueError", "x lies in read-only memory"),
+        "read_only_torch_memmap_out": (lambda c: readonly_map(c, True), "ValueError", "out lies in read-only memory"),
         "float64": (lambda c: c.all_reduce(np.zeros(4)), "TypeError", "float64"),
         "int64_torch": (lambda c: c.all_reduce(torch.zeros(4, dtype=torch.int64)), "TypeError", "int64"),
         "not_an_array": (lambda c: c.all_reduce([1.0, 2.0]), "TypeError", "list"),

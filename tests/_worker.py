@@ -168,6 +168,24 @@ TASKS = {"close_race": task_close_race, "matrix": task_matrix, "jitter": task_ji
          "torchgroup": task_torchgroup}
 
 
+def task_store(args: dict) -> dict:
+    """Rendezvous through the TCP store (rank `late` arrives `delay` s late), then `calls`
+    all-reduces of rank-dependent values, each checked exactly."""
+    if os.environ.get("RANK") == str(args.get("late", -1)):
+        time.sleep(args.get("delay", 0.0))
+    comm = nvrar.Communicator(timeout=args.get("timeout", 60))
+    W, ok = comm.world_size, 0
+    for i in range(args.get("calls", 5)):
+        x = np.full(1000 + i, float(comm.rank + 1 + i), dtype=np.float32)
+        comm.all_reduce(x)
+        ok += bool(np.all(x == float(sum(r + 1 + i for r in range(W)))))
+    comm.close()
+    return {"checked": ok}
+
+
+TASKS["store"] = task_store
+
+
 def main() -> int:
     task, args, report_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if task not in TASKS and task.startswith("gpu_"):
@@ -185,7 +203,8 @@ def main() -> int:
         report = {"exception": error_fields(exc), "traceback": traceback.format_exc()}
         traceback.print_exc()
         code = 1
-    report["rank"] = int(os.environ.get("RANK", "0"))
+    raw_rank = os.environ.get("RANK", "0")
+    report["rank"] = int(raw_rank) if raw_rank.strip().isdigit() else raw_rank  # a bad RANK is a test case
     with open(report_path + ".tmp", "w") as f:
         json.dump(report, f)
     os.replace(report_path + ".tmp", report_path)

@@ -95,6 +95,9 @@ def test_empty_rejects_bad_arguments(comm):
         comm.empty(4, np.float64)
     with pytest.raises(ValueError, match="negative"):
         comm.empty((2, -1), np.float32)
+    # 2^64 elements: an int64 product would wrap to 0 ("cannot reshape array of size 0").
+    with pytest.raises(nvrar.NvrarError, match=r"shape \(4294967296, 4294967296\) of float32 needs 73786976294838206464"):
+        comm.empty((1 << 32, 1 << 32), np.float32)
 
 
 @pytest.mark.parametrize("name", sorted(bad_input_cases(torch)))
