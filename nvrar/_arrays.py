@@ -39,7 +39,7 @@ def _buffer_address(x: Any) -> int:
     from ._C import buffer_address  # bound on first use: importing _arrays needs no native module
 
     global _buffer_address
-    _buffer_address = buffer_address
+    _buffer_address = buffer_address  # type: ignore[assignment]  # the native function from now on
     return buffer_address(x)
 
 

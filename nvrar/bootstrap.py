@@ -34,7 +34,7 @@ def mpi_launched() -> bool:
         return True
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return False
-    return "SLURM_STEP_ID" in os.environ and _int_env("SLURM_NTASKS", 1) > 1
+    return "SLURM_STEP_ID" in os.environ and (_int_env("SLURM_NTASKS", 1) or 1) > 1
 
 
 def _int_env(name: str, default: Optional[int] = None) -> Optional[int]:
@@ -210,7 +210,7 @@ class _TorchStoreAdapter:
                                     rank=rank, peer=0, phase="bootstrap", kind="timeout") from None
 
     def set(self, key: bytes, value: bytes) -> None:
-        self._store.set(key.decode(), value)
+        self._store.set(key.decode(), value)  # type: ignore[arg-type]  # torch stores take bytes too
 
     def get(self, key: bytes, timeout: Optional[float] = None) -> Optional[bytes]:
         try:

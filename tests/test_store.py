@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import nvrar
@@ -199,7 +198,7 @@ def test_a_malformed_reply_is_an_nvrar_error():
         listener.listen(1)
         port = listener.getsockname()[1]
 
-        def serve():
+        def serve(listener=listener, reply=reply):
             conn, _ = listener.accept()
             conn.recv(64)
             conn.sendall(reply)
