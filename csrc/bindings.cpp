@@ -21,9 +21,34 @@ namespace nvrar {
 void register_error_translator();  // bindings_common.cpp
 }
 
+namespace {
+
+unsigned long g_main_thread = 0;  // ident of the interpreter's main thread (the one that runs signal handlers)
+
+// The exception a signal handler raised during a call, kept until the call has unwound.
+struct PendingSignal {
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+};
+
+// Interrupt hook of the executor's waits (called without the GIL, on the main thread only).
+bool run_signal_handlers(void* ctx, std::string* why) {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  auto* pending = static_cast<PendingSignal*>(ctx);
+  PyErr_Fetch(&pending->type, &pending->value, &pending->traceback);
+  const char* name = pending->type != nullptr ? reinterpret_cast<PyTypeObject*>(pending->type)->tp_name : "an exception";
+  *why = std::string("interrupted: a signal handler raised ") + name + " while this rank waited";
+  return true;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "nvrar native core: the CPU executor and the plan (see nvrar/_C.pyi)";
   register_error_translator();
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
 
   py::class_<CpuExecutor>(m, "CpuExecutor")
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
@@ -58,11 +83,31 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "all_reduce",
           [](CpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int variant) {
-            ex.all_reduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
-                          static_cast<DType>(dtype), static_cast<RedOp>(op), static_cast<Variant>(variant));
+            // The GIL is released while the call runs; on the main thread its waits come back to
+            // the interpreter about every 50 ms to run signal handlers. A handler that raises
+            // (SIGINT: KeyboardInterrupt) stops the call: the executor aborts the peers, then the
+            // handler's exception is what this call raises.
+            PendingSignal pending;
+            const Interrupt intr{&run_signal_handlers, &pending};
+            const bool main_thread = PyThread_get_thread_ident() == g_main_thread;
+            {
+              py::gil_scoped_release release;
+              try {
+                ex.all_reduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+                              static_cast<DType>(dtype), static_cast<RedOp>(op), static_cast<Variant>(variant),
+                              main_thread ? &intr : nullptr);
+              } catch (const ProtocolError&) {
+                if (pending.type == nullptr) throw;
+              }
+            }
+            if (pending.type != nullptr) {
+              PyErr_Restore(pending.type, pending.value, pending.traceback);
+              throw py::error_already_set();
+            }
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-          py::arg("variant") = 0, py::call_guard<py::gil_scoped_release>())
+          py::arg("variant") = 0)
+      .def("mark_closed", &CpuExecutor::mark_closed)
       .def("resolve",
            [](const CpuExecutor& ex, int variant, size_t bytes) {
              return static_cast<int>(ex.resolve(static_cast<Variant>(variant), bytes));

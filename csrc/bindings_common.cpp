@@ -16,6 +16,7 @@ const char* kind_name(ProtocolError::Kind k) {
     case ProtocolError::Kind::kMismatch: return "mismatch";
     case ProtocolError::Kind::kPeerAbort: return "peer-abort";
     case ProtocolError::Kind::kViolation: return "violation";
+    case ProtocolError::Kind::kInterrupted: return "interrupted";
   }
   return "unknown";
 }

@@ -641,6 +641,8 @@ class Communicator:
                 ex.abandon()
         elif getattr(self, "_pool", None) is None or self._pool.live() == 0:
             ex.close()
+        else:
+            ex.mark_closed()  # peers see it at once; the memory goes with the last empty() block
 
     def __enter__(self) -> "Communicator":
         return self

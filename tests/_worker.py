@@ -164,8 +164,210 @@ def task_close_race(args: dict) -> dict:
     return out
 
 
+def task_mismatch_bounds(args: dict) -> dict:
+    """Each rank calls all_reduce on its own count (args["count"]), chosen by the test so that the
+    16-bit call signatures collide. The output sits in front of a canary (private memory, or the
+    next block of the symmetric heap with where="pool"); a peer must never write past it."""
+    comm = nvrar.Communicator(ranks_per_node=args["G"], timeout=args.get("timeout", 30))
+    n, rank = args["count"], comm.rank
+    canary_n = 64 << 10
+    if args.get("where") == "pool":
+        x = comm.empty(n, np.float32)
+        canary = comm.empty(canary_n, np.float32)
+        canary[:] = -7.0
+    else:
+        buf = np.full(n + canary_n, -7.0, dtype=np.float32)
+        x = buf[:n]
+        canary = buf[n:]
+    x[:] = rank + 1.0
+    out = {}
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x, "sum", algo=args.get("algo"))
+        out["error"] = None
+        out["result_ok"] = bool(np.all(x == sum(range(1, comm.world_size + 1))))
+    except Exception as exc:
+        out["error"] = error_fields(exc)
+    out["elapsed"] = time.monotonic() - t0
+    time.sleep(0.5)  # let a peer's stray writes, if any, land before looking
+    out["canary_intact"] = bool(np.all(canary == -7.0))
+    return out
+
+
+def nan_inputs(rank: int, n: int) -> np.ndarray:
+    """Float32 values of one rank: specials (NaNs of several payloads and signs, infinities,
+    signed zeros) mixed with ordinary values, differently on every rank."""
+    rng = np.random.default_rng(1000 + rank)
+    specials = np.array([0x7fc00000, 0xffc00000, 0x7f800001, 0x7fc12345, 0xff812345,  # NaNs (quiet, signalling)
+                         0x7f800000, 0xff800000, 0x00000000, 0x80000000], dtype=np.uint32).view(np.float32)
+    v = rng.standard_normal(n).astype(np.float32)
+    pick = rng.random(n) < 0.3
+    v[pick] = specials[rng.integers(0, len(specials), int(pick.sum()))]
+    v[:2] = (0.0, -0.0) if rank % 2 == 0 else (-0.0, 0.0)  # signed zeros in both orders
+    return v
+
+
+def nan_rule(vals: np.ndarray, op: str) -> np.ndarray:
+    """The rule of csrc/protocol/types.h over the rows of `vals` (float32): any NaN gives the
+    canonical quiet NaN 0x7fc00000; otherwise the largest (smallest) value, with +0 > -0 in
+    either order."""
+    with np.errstate(invalid="ignore"):
+        ref = vals.max(0) if op == "max" else vals.min(0)
+    zero = ref == 0
+    sign = np.signbit(vals)
+    if op == "max":
+        ref[zero] = np.where(np.any((vals == 0) & ~sign, 0), 0.0, -0.0)[zero]
+    else:
+        ref[zero] = np.where(np.any((vals == 0) & sign, 0), -0.0, 0.0)[zero]
+    ref[np.isnan(vals).any(0)] = np.uint32(0x7fc00000).view(np.float32)
+    return ref
+
+
+def task_nan(args: dict) -> dict:
+    """max/min with NaN, inf and signed zeros, in every floating dtype and both variants: the
+    result bits against nan_rule (and torch.amax/amin up to the sign of zero)."""
+    import hashlib
+
+    import torch
+
+    comm = nvrar.Communicator(ranks_per_node=args["G"], max_bytes=args.get("max_bytes", 8192), timeout=60)
+    W, rank = comm.world_size, comm.rank
+    out: dict = {"checks": 0, "failures": [], "digests": {}}
+    for n in args["counts"]:
+        f32 = np.stack([nan_inputs(r, n) for r in range(W)])
+        for dt in ("float32", "float16", "bfloat16"):
+            if dt == "bfloat16":
+                inputs = torch.from_numpy(f32).to(torch.bfloat16)
+                vals = inputs.float().numpy()
+            else:
+                inputs = f32.astype(dt)
+                vals = inputs.astype(np.float32)
+            for op in ("max", "min"):
+                ref = nan_rule(vals, op)
+                nan = np.isnan(ref)
+                # torch agrees on everything but the order-dependent sign of a zero result.
+                t = torch.from_numpy(vals)
+                tref = (t.amax(0) if op == "max" else t.amin(0)).numpy()
+                assert np.array_equal(np.isnan(tref), nan) and np.array_equal(tref[~nan], ref[~nan]), (dt, op)
+                for algo in ("one-shot", "two-shot"):
+                    if dt == "bfloat16":
+                        x = inputs[rank].clone()
+                        comm.all_reduce(x, op, algo=algo)
+                        got = x.view(torch.int16).numpy().view(np.uint16)
+                        want = torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+                        want[nan] = 0x7fc0
+                    else:
+                        x = inputs[rank].copy()
+                        comm.all_reduce(x, op, algo=algo)
+                        ut = np.uint32 if dt == "float32" else np.uint16
+                        got = x.view(ut)
+                        want = ref.astype(dt).view(ut).copy()
+                        want[nan] = 0x7fc00000 if dt == "float32" else 0x7e00
+                    key = f"{n}/{op}/{dt}/{algo}"
+                    out["checks"] += 1
+                    bad = np.flatnonzero(got != want)
+                    if bad.size:
+                        i = int(bad[0])
+                        out["failures"].append(f"{key}: {bad.size} wrong, first at {i}: got {int(got[i]):#x}, want "
+                                               f"{int(want[i]):#x}, inputs {[float(v) for v in vals[:, i]]}")
+                    out["digests"][key] = hashlib.sha256(got.tobytes()).hexdigest()
+    comm.close()
+    return out
+
+
+def task_sigint(args: dict) -> dict:
+    """Ranks in `waiters` call all_reduce while the others stay away (sleep `absent_s`, then call).
+    A waiter writes its pid to args["pidfile"] + rank once it is about to wait; the test sends
+    SIGINT to rank `victim` and reports when; every rank reports what it raised and when."""
+    comm = nvrar.Communicator(ranks_per_node=args["G"], timeout=args["timeout"])
+    rank = comm.rank
+    out: dict = {}
+    x = np.ones(args.get("count", 100000), np.float32)
+    if rank in args["waiters"]:
+        with open(f"{args['pidfile']}{rank}.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(f"{args['pidfile']}{rank}.tmp", f"{args['pidfile']}{rank}")
+    else:
+        time.sleep(args["absent_s"])
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+        out["error"] = None
+    except BaseException as exc:  # KeyboardInterrupt included: that is the point
+        out["error"] = error_fields(exc)
+    out["raised_at"] = time.time()
+    out["elapsed"] = time.monotonic() - t0
+    try:
+        comm.all_reduce(np.ones(4, np.float32))
+        out["after"] = None
+    except Exception as exc:
+        out["after"] = error_fields(exc)
+    return out
+
+
+def task_closed_peer(args: dict) -> dict:
+    """Rank `victim` closes its communicator (mode "close"; "gc": drops its last reference;
+    "close_live": close() while an empty() block is alive) after `calls` good calls, and lives on
+    for `linger_s`. The others call once more: they must raise at once, naming it."""
+    import gc
+
+    comm = nvrar.Communicator(ranks_per_node=args["G"], timeout=args["timeout"])
+    rank, victim, mode = comm.rank, args["victim"], args["mode"]
+    x = np.ones(args.get("count", 1000), np.float32)
+    for _ in range(args.get("calls", 2)):
+        comm.all_reduce(x)
+    out: dict = {}
+    if rank == victim:
+        block = None
+        if mode == "close_live":
+            block = comm.empty(16, np.float32)
+        if mode == "gc":
+            del comm
+            gc.collect()
+        else:
+            comm.close()
+        time.sleep(args["linger_s"])
+        out["lived"] = block is None or block.size == 16
+        return out
+    time.sleep(0.3)  # the victim closes first (a call already waiting must notice it too)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = error_fields(exc)
+    out["elapsed"] = time.monotonic() - t0
+    return out
+
+
+def task_stop(args: dict) -> dict:
+    """Rank `victim` stops itself with SIGSTOP before call `at` (a helper process kills it later);
+    the others report when their call raised."""
+    import signal
+    import subprocess
+
+    comm = nvrar.Communicator(ranks_per_node=args["G"], timeout=args["timeout"])
+    rank = comm.rank
+    out: dict = {"calls_ok": 0}
+    for i in range(args["at"] + 1):
+        x = np.ones(args.get("count", 100000), np.float32)
+        if i == args["at"] and rank == args["victim"]:
+            subprocess.Popen(["sh", "-c", f"sleep {args['kill_after_s']}; kill -9 {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(x)
+            out["calls_ok"] += 1
+        except Exception as exc:
+            out["error"] = error_fields(exc)
+            out["elapsed"] = time.monotonic() - t0
+            return out
+    return out
+
+
 TASKS = {"close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
-         "torchgroup": task_torchgroup}
+         "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
+         "closed_peer": task_closed_peer, "stop": task_stop}
 
 
 def task_store(args: dict) -> dict:

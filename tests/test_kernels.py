@@ -79,17 +79,48 @@ def test_bfloat16_avg_scales_once_in_fp32():
     assert np.array_equal(got, want.view(torch.int16).numpy())
 
 
-@pytest.mark.parametrize("op,fn", [(MAX, np.fmax), (MIN, np.fmin)])
-def test_float32_max_min_ignore_nan(op, fn):
+@pytest.mark.parametrize("op,fn", [(MAX, np.maximum), (MIN, np.minimum)])
+def test_float32_max_min_propagate_nan_as_the_canonical_quiet_nan(op, fn):
     rng = np.random.default_rng(2)
     a = rng.standard_normal(1000).astype(np.float32)
     b = rng.standard_normal(1000).astype(np.float32)
     a[::7] = np.nan
-    b[::11] = np.nan
+    b[::11] = np.uint32(0xffc12345).view(np.float32)  # a negative NaN with a payload
     got = reduce([a, b], F32, op)
-    want = fn(a, b)
+    want = fn(a, b)  # numpy and torch propagate NaN
     assert np.array_equal(got, want, equal_nan=True)
-    assert np.isnan(got[0])  # both NaN at index 0
+    nan = np.isnan(want)
+    assert np.all(got.view(np.uint32)[nan] == 0x7fc00000)  # whatever the payloads: same bits on every rank
+
+
+@pytest.mark.parametrize("dtype,code,canon", [(np.float16, F16, 0x7e00), ("bfloat16", BF16, 0x7fc0)])
+@pytest.mark.parametrize("op", [MAX, MIN])
+def test_half_max_min_propagate_nan(dtype, code, canon, op):
+    vals = np.array([np.nan, 1.0, np.nan, -np.inf, 2.0], np.float32)
+    other = np.array([1.0, np.nan, np.nan, 5.0, -1.0], np.float32)
+    if dtype == "bfloat16":
+        a, b = (torch.from_numpy(v).to(torch.bfloat16).view(torch.int16).numpy() for v in (vals, other))
+    else:
+        a, b = vals.astype(dtype), other.astype(dtype)
+    got = reduce([a, b], code, op).view(np.uint16)
+    assert list(got[:3]) == [canon] * 3
+    want = np.maximum(vals[3:], other[3:]) if op == MAX else np.minimum(vals[3:], other[3:])
+    if dtype == "bfloat16":
+        assert np.array_equal(got[3:], torch.from_numpy(want).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    else:
+        assert np.array_equal(got[3:], want.astype(dtype).view(np.uint16))
+
+
+@pytest.mark.parametrize("code", [F32, F16])
+def test_signed_zeros_do_not_depend_on_operand_order(code):
+    """max(-0, +0) = +0 and min(-0, +0) = -0 in either order (IEEE 754-2019 maximum/minimum;
+    torch.maximum returns its first operand there)."""
+    dt = np.float32 if code == F32 else np.float16
+    a = np.array([-0.0, 0.0, -0.0, 0.0], dt)
+    b = np.array([0.0, -0.0, -0.0, 0.0], dt)
+    mx, mn = reduce([a, b], code, MAX), reduce([a, b], code, MIN)
+    assert list(np.signbit(mx)) == [False, False, True, False]
+    assert list(np.signbit(mn)) == [True, True, True, False]
 
 
 def test_int32_sum_wraps_and_avg_truncates():

@@ -23,7 +23,8 @@ class Error : public std::runtime_error {
 // different signature. Carries the fields the message names so Python can expose them.
 class ProtocolError : public Error {
  public:
-  enum class Kind : uint32_t { kTimeout = 1, kMismatch = 2, kPeerAbort = 3, kViolation = 4 };
+  // kInterrupted: a signal handler of the caller raised while the call waited (CPU).
+  enum class Kind : uint32_t { kTimeout = 1, kMismatch = 2, kPeerAbort = 3, kViolation = 4, kInterrupted = 5 };
 
   ProtocolError(Kind kind, const std::string& msg, int rank, int peer, Phase phase, int step,
                 uint64_t epoch, uint64_t observed)

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -23,7 +24,7 @@ constexpr size_t kMinChunkBytes = 256;               // smallest max_bytes accep
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a waiter checks its peer's process
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
-constexpr double kQuiesceMaxS = 5.0;  // longest a failing rank waits for peers to stop touching its buffers (s)
+constexpr double kQuiesceMaxS = 1.0;  // longest a failing rank waits for a peer's cross-memory transfer window (s)
 constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
 
 // Host-side header at the start of every segment (page 0). Written by its owner at creation;
@@ -46,14 +47,48 @@ struct SegmentHeader {
   int32_t call_variant;
   int32_t pad;
   char error_text[2048];  // the message of this rank's failure, for the ranks it aborts
+  // Appended fields (after error_text, so that the offsets above never move).
+  uint64_t closed;        // != 0: the owner closed its communicator; it takes part in no round any more
+  uint64_t touch;         // touch_word(epoch, target) while the owner transfers to or from a peer's
+                          // private memory (NOTE [transfer windows]); 0 otherwise
 };
 static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
 
+// NOTE [call description]
+// The 16-bit signature of a flag word is a quick check only: two different calls can share it
+// (count 100000 and 131409, float32 two-shot, do). So every flag cell also carries the sender's
+// full call description (count, dtype/op/variant code, elements of this round), stored before
+// the flag word with the same release, and every wait compares it with its own before it uses
+// the peer's data or any offset or address the flag carries. LL packets (protocol/ll.h) carry
+// only the 16-bit flag: their sender stores the description into the step's inter cell before
+// the packets (and the flag word after them). The buffers a ready flag advertises are bounded
+// by the round's bytes, and every cross-memory transfer is checked against them.
 struct Cell {
   uint64_t word;
-  uint64_t aux0;  // ready: byte offset of the sender's input; final: offset of its final shard
-  uint64_t aux1;  // ready: OutRef of the sender's output (protocol/plan.h)
+  uint64_t aux0;   // ready: byte offset of the sender's input; final: offset of its final shard
+  uint64_t aux1;   // ready: OutRef of the sender's output (protocol/plan.h)
+  uint64_t count;  // the sender's call: count
+  uint64_t code;   // the sender's call: dtype | op << 8 | variant << 16
+  uint64_t n;      // the sender's round: elements
 };
+static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
+
+// NOTE [transfer windows]
+// A rank that failed returns to its caller, who may free or reuse the buffers its ready flag
+// exposed to cross-memory access. So every process_vm_readv/writev of a peer's private memory
+// runs inside a window: the transferring rank stores touch_word(e, target) into its own header,
+// fences, and only then checks that the target has not failed (its failed_epoch); the failing
+// rank stores its failed_epoch, fences, and then waits until no local peer's window names it.
+// Of two such sequences at least one sees the other's store (Dekker): either the transfer is
+// refused, or the failing rank waits for its window to close. The wait is bounded (kQuiesceMaxS):
+// only a peer stopped inside a window (a few microseconds per piece) can outlast it.
+inline uint64_t touch_word(uint64_t epoch, int target) { return (epoch << 24) | static_cast<uint64_t>(target + 1); }
+
+inline uint64_t call_code(DType dtype, RedOp op, Variant v) {
+  return static_cast<uint64_t>(static_cast<uint32_t>(dtype) & 0xffu) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(op) & 0xffu) << 8) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(v) & 0xffu) << 16);
+}
 
 inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
@@ -148,6 +183,9 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   piece_dsts_.resize(G + 1);
   src_remote_.resize(G);
   peer_out_.resize(G);
+  adv_in_.resize(G);
+  adv_out_.resize(G);
+  adv_bytes_.resize(G);
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
   round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes};
@@ -165,9 +203,15 @@ CpuExecutor::~CpuExecutor() { close(); }
 // Safe against a call in flight on another thread: it is told to stop (it raises), and the
 // memory goes only once it has left.
 void CpuExecutor::close() {
-  closing_.store(true, std::memory_order_release);
+  mark_closed();
   std::lock_guard<std::mutex> lock(busy_);
   heap_.release();
+}
+
+void CpuExecutor::mark_closed() {
+  closing_.store(true, std::memory_order_release);
+  // Safe without the lock: the header page stays mapped until close() took it.
+  if (char* mine = heap_.mine()) store_release(&reinterpret_cast<SegmentHeader*>(mine)->closed, 1);
 }
 
 void CpuExecutor::attach(const std::vector<std::string>& names) {
@@ -207,7 +251,8 @@ Variant CpuExecutor::resolve(Variant v, size_t bytes) const {
   return bytes <= cfg_.oneshot_max_bytes ? Variant::kOneShot : Variant::kTwoShot;
 }
 
-void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant) {
+void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant,
+                             const Interrupt* intr) {
   NVRAR_CHECK(!closing_.load(std::memory_order_acquire), "all_reduce: the communicator is closed");
   std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
   NVRAR_CHECK(lock.owns_lock(), "all_reduce: another thread is using this communicator; calls on one "
@@ -235,6 +280,13 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   h->call_dtype = static_cast<int32_t>(dtype);
   h->call_op = static_cast<int32_t>(op);
   h->call_variant = static_cast<int32_t>(v);
+  call_count_ = count;
+  call_code_ = call_code(dtype, op, v);
+  intr_ = intr;
+  struct ClearIntr {
+    const Interrupt** p;
+    ~ClearIntr() { *p = nullptr; }
+  } clear_intr{&intr_};
 
   size_t chunk_bytes = cfg_.max_bytes;
   if (v == Variant::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.oneshot_chunk_bytes());
@@ -280,14 +332,22 @@ struct CpuTransport {
     ex->signal(rank, cell, word, 0, 0);
     return true;
   }
-  // LL packets go straight into the peer's LL zone, one 8-byte atomic store each.
+  // LL packets go straight into the peer's LL zone, one 8-byte atomic store each. The call
+  // description goes first into the step's inter cell (NOTE [call description]), the flag word
+  // after the packets (a receiver that expects a put-with-signal sees the mismatch at once).
   bool put_ll(int rank, size_t dst_off, size_t /*out_off*/, const char* src, size_t bytes, uint32_t flag) {
+    auto* c = reinterpret_cast<Cell*>(base(rank) + ex->ll_desc_cell(dst_off));
+    store_relaxed(&c->count, ex->call_count_);
+    store_relaxed(&c->code, ex->call_code_);
+    store_relaxed(&c->n, ex->round_n_);
+    std::atomic_thread_fence(std::memory_order_release);
     auto* pk = reinterpret_cast<uint64_t*>(base(rank) + dst_off);
     const size_t n = ll_packets(bytes);
     for (size_t i = 0; i < n; ++i) {
       store_relaxed(&pk[i], ll_make_packet(src, bytes, i, flag));
       if ((i & 255) == 255) ex->jitter();
     }
+    store_release(&c->word, flag_word(epoch, flag & static_cast<uint32_t>(kSigMask)));
     return true;
   }
   bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
@@ -309,12 +369,16 @@ struct CpuTransport {
     if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
   }
   bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
-    ex->cma_transfer(false, rank, dst, addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
+    const CpuExecutor::Site site{phase, 0, rank};
+    ex->check_remote_range(false, rank, addr, bytes, site, epoch);
+    ex->cma_transfer(false, rank, dst, addr, bytes, site, epoch);
     return true;
   }
   bool remote_write(int rank, const char* src, uint64_t addr, size_t bytes, Phase phase) {
     ex->jitter();
-    ex->cma_transfer(true, rank, const_cast<char*>(src), addr, bytes, CpuExecutor::Site{phase, 0, rank}, epoch);
+    const CpuExecutor::Site site{phase, 0, rank};
+    ex->check_remote_range(true, rank, addr, bytes, site, epoch);
+    ex->cma_transfer(true, rank, const_cast<char*>(src), addr, bytes, site, epoch);
     return true;
   }
   void expose(uint64_t e) { ex->exposed_epoch_ = e; }
@@ -324,6 +388,7 @@ struct CpuTransport {
 void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Variant v,
                         uint32_t sig, ReduceFn fn, Scale sc) {
   const uint64_t e = ++epoch_;
+  round_n_ = n;
   CpuTransport tp{this, fn, e};
   Slice s{in, out, n, es, 0, 0, in_pool, out_pool};
   if (v == Variant::kOneShot)
@@ -336,21 +401,30 @@ void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0
   auto* c = reinterpret_cast<Cell*>(heap_.base(peer) + cell_off);
   store_relaxed(&c->aux0, aux0);
   store_relaxed(&c->aux1, aux1);
+  store_relaxed(&c->count, call_count_);
+  store_relaxed(&c->code, call_code_);
+  store_relaxed(&c->n, round_n_);
   store_release(&c->word, word);
   jitter();
 }
 
 // One cross-memory copy between my memory and a peer's private memory (process_vm_readv/writev),
-// resumed after partial transfers.
+// resumed after partial transfers, inside a transfer window (NOTE [transfer windows]).
 void CpuExecutor::cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site,
                                uint64_t epoch) {
-  const pid_t pid = static_cast<pid_t>(reinterpret_cast<const SegmentHeader*>(heap_.base(peer))->pid);
+  const auto* ph = reinterpret_cast<const SegmentHeader*>(heap_.base(peer));
+  auto* mine = reinterpret_cast<SegmentHeader*>(heap_.mine());
+  const pid_t pid = static_cast<pid_t>(ph->pid);
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
+  store_relaxed(&mine->touch, touch_word(epoch, peer));
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  // A peer that failed returns from its call and its caller may free the memory we are about to
+  // touch: it waits for open windows that name it, and we stay out once it has failed.
+  const bool target_failed = load_acquire(&ph->failed_epoch) != 0;
   size_t done = 0;
-  while (done < bytes) {
-    // A peer that failed may return from its call and free the memory we are about to touch:
-    // stop at once (it waits for us to stop before it returns, see quiesce()).
-    if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+  int err = 0;
+  while (!target_failed && done < bytes) {
+    if (load_acquire(&abort_cell->word) != 0) break;
     struct iovec l = {static_cast<char*>(local) + done, bytes - done};
     struct iovec r = {reinterpret_cast<void*>(remote + done), bytes - done};
     const ssize_t k = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
@@ -359,20 +433,63 @@ void CpuExecutor::cma_transfer(bool write, int peer, void* local, uint64_t remot
       continue;
     }
     if (k < 0 && errno == EINTR) continue;
-    const int err = k < 0 ? errno : EIO;
-    if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
-    if (err == ESRCH) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, 0);
-    fail(ProtocolError::Kind::kViolation,
-         std::string("cross-memory ") + (write ? "write into" : "read from") + " the peer's buffer failed: " +
-             std::strerror(err),
-         site, epoch, 0);
+    err = k < 0 ? errno : EIO;
+    break;
   }
+  store_release(&mine->touch, 0);  // the window closes before any failure path (which may quiesce)
+  if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+  if (target_failed)
+    fail(ProtocolError::Kind::kPeerAbort, "rank " + std::to_string(peer) + " failed during the call", site, epoch, 0);
+  if (done == bytes) return;
+  if (err == ESRCH) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, 0);
+  fail(ProtocolError::Kind::kViolation,
+       std::string("cross-memory ") + (write ? "write into" : "read from") + " the peer's buffer failed: " +
+           std::strerror(err),
+       site, epoch, 0);
+}
+
+// Every cross-memory transfer stays inside the buffer the peer advertised for this round.
+void CpuExecutor::check_remote_range(bool write, int peer, uint64_t addr, size_t bytes, const Site& site,
+                                     uint64_t epoch) {
+  const size_t h = static_cast<size_t>(peer - where_.rank_of(where_.node, 0));
+  const uint64_t base = write ? adv_out_[h] : adv_in_[h];
+  if (base != 0 && addr >= base && bytes <= adv_bytes_[h] && addr - base <= adv_bytes_[h] - bytes) return;
+  std::ostringstream os;
+  os << "protocol violation: a cross-memory " << (write ? "write" : "read") << " of " << bytes << " bytes at offset "
+     << (addr - base) << " lies outside the " << adv_bytes_[h] << "-byte buffer rank " << peer
+     << " advertised for this round";
+  fail(ProtocolError::Kind::kViolation, os.str(), site, epoch, 0);
+}
+
+void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site, uint64_t epoch) {
+  const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + cell_off);
+  const size_t h = static_cast<size_t>(peer - where_.rank_of(where_.node, 0));
+  const uint64_t in_ref = load_relaxed(&c->aux0);
+  const uint64_t out_ref = load_relaxed(&c->aux1);
+  const uint64_t bytes = load_relaxed(&c->n) * static_cast<uint64_t>(dtype_size(static_cast<DType>(call_code_ & 0xff)));
+  adv_bytes_[h] = bytes;
+  adv_in_[h] = ref_kind(in_ref) == kRefCma ? ref_value(in_ref) : 0;
+  adv_out_[h] = ref_kind(out_ref) == kRefCma ? ref_value(out_ref) : 0;
+  // Shared-memory buffers must lie within the peer's segment: an input in its staging slots or
+  // pool, an output in its pool.
+  const auto inside = [&](uint64_t ref, size_t lo, size_t hi) {
+    const uint64_t off = ref_value(ref);
+    return off >= lo && off <= hi && bytes <= hi - off;
+  };
+  const bool in_ok = ref_kind(in_ref) != kRefShm || inside(in_ref, layout_.staging(0), layout_.result_off) ||
+                     inside(in_ref, layout_.pool_off, layout_.total_bytes);
+  const bool out_ok = ref_kind(out_ref) != kRefShm || inside(out_ref, layout_.pool_off, layout_.total_bytes);
+  if (!in_ok || !out_ok || ref_kind(in_ref) > kRefCma || ref_kind(out_ref) > kRefCma)
+    fail(ProtocolError::Kind::kViolation,
+         "protocol violation: rank " + std::to_string(peer) + " advertised a buffer outside its segment", site,
+         epoch, 0);
 }
 
 template <typename Ready, typename Observed>
 void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch) {
   if (ready()) return;
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
+  const auto* peer_header = reinterpret_cast<const SegmentHeader*>(heap_.base(site.peer));
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   const auto deadline =
@@ -396,6 +513,15 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
     }
     if (now >= next_liveness) {
       if (!peer_alive(site.peer)) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
+      // A peer that closed its communicator takes part in no round any more. Its last flags were
+      // stored before its closed mark, so look once more before giving up on it.
+      if (load_acquire(&peer_header->closed) != 0 && !ready())
+        fail(ProtocolError::Kind::kPeerAbort,
+             "rank " + std::to_string(site.peer) +
+                 " closed its communicator (close() or garbage collection) while this rank waited for it",
+             site, epoch, observed());
+      std::string why;
+      if (intr_ != nullptr && intr_->check(intr_->ctx, &why)) fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
       next_liveness = now + kLivenessPeriod;
     }
     if (now - start < kYieldPhase) {
@@ -407,6 +533,12 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
   }
 }
 
+bool CpuExecutor::same_call(size_t cell_off) const {
+  const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + cell_off);
+  return load_relaxed(&c->count) == call_count_ && load_relaxed(&c->code) == call_code_ &&
+         load_relaxed(&c->n) == round_n_;
+}
+
 std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site) {
   auto* c = reinterpret_cast<Cell*>(heap_.mine() + cell_off);
   const uint64_t target = flag_word(epoch, 0);
@@ -415,40 +547,69 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
   if (flag_epoch(w) != epoch)
     fail(ProtocolError::Kind::kViolation, "protocol violation: a flag arrived from a later round", site, epoch,
          flag_epoch(w));
-  if (flag_sig(w) != sig) fail(ProtocolError::Kind::kMismatch, "call mismatch: " + mismatch(site.peer), site, epoch,
-                               flag_epoch(w));
+  if (flag_sig(w) != sig || !same_call(cell_off))
+    fail(ProtocolError::Kind::kMismatch, "call mismatch: " + mismatch(site.peer, cell_off), site, epoch,
+         flag_epoch(w));
+  if (site.peer / where_.G == where_.node) {
+    const int p = static_cast<int>(epoch & 1);
+    const int h = site.peer % where_.G;
+    if (cell_off == layout_.ready_cell(p, h)) {
+      record_advertised(site.peer, cell_off, site, epoch);
+    } else if (cell_off == layout_.final_cell(p, h)) {
+      // Where the peer's final shard lives: within its slots (result slot or a landing zone).
+      const uint64_t off = load_relaxed(&c->aux0);
+      const size_t es = static_cast<size_t>(dtype_size(static_cast<DType>(call_code_ & 0xff)));
+      const size_t bytes = shard_range(round_n_, static_cast<int>(es), where_.G, h).size() * es;
+      if (off < layout_.result_off || off > layout_.llzones_off || bytes > layout_.llzones_off - off)
+        fail(ProtocolError::Kind::kViolation,
+             "protocol violation: rank " + std::to_string(site.peer) + " announced its final shard outside its slots",
+             site, epoch, flag_epoch(w));
+    }
+  }
   return {load_relaxed(&c->aux0), load_relaxed(&c->aux1)};
+}
+
+size_t CpuExecutor::ll_desc_cell(size_t ll_off) const {
+  // B = 1 on the CPU: LL zone index (p * S + slot) names the inter cell of the same step.
+  const size_t idx = (ll_off - layout_.llzones_off) / layout_.ll_slice_bytes;
+  return layout_.cell(1 + 4 * static_cast<size_t>(where_.G) + idx);
 }
 
 void CpuExecutor::wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig, const Site& site) {
   const uint32_t flag = ll_flag(epoch, sig);
   const auto* pk = reinterpret_cast<const uint64_t*>(heap_.mine() + off);
   const size_t n = ll_packets(bytes);
-  // One deadline for the whole step: each poll moves on over the packets that have arrived.
+  const size_t desc = ll_desc_cell(off);
+  const auto* dc = reinterpret_cast<const Cell*>(heap_.mine() + desc);
+  // One deadline for the whole step: each poll moves on over the packets that have arrived. A
+  // flag word of this round in the inter cell means the partner sent: if it is another call
+  // (put-with-signal instead of LL, say), stop waiting for packets that will never come.
   size_t i = 0;
   int state = 1;
+  bool other_call = false;
   spin_until(
       [&] {
         while (i < n && (state = ll_packet_state(load_acquire(&pk[i]), flag)) > 0) ++i;
-        return i == n || state < 0;
+        if (i == n || state < 0) return true;
+        other_call = flag_epoch(load_acquire(&dc->word)) >= epoch && !same_call(desc);
+        return other_call;
       },
       [&] { return static_cast<uint64_t>(ll_packet_flag(load_relaxed(&pk[i])) >> kSigBits); }, site, epoch);
-  if (state < 0)
-    fail(ProtocolError::Kind::kMismatch, "call mismatch (LL packet signature): " + mismatch(site.peer), site, epoch,
-         epoch);
+  if (state < 0 || other_call || !same_call(desc))
+    fail(ProtocolError::Kind::kMismatch, "call mismatch: " + mismatch(site.peer, desc), site, epoch, epoch);
 }
 
-std::string CpuExecutor::mismatch(int peer) const {
-  return "rank " + std::to_string(cfg_.rank) + " called " + describe_call(cfg_.rank) + " but rank " +
-         std::to_string(peer) + " called " + describe_call(peer);
+std::string CpuExecutor::mismatch(int peer, size_t cell_off) const {
+  const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + cell_off);
+  return "rank " + std::to_string(cfg_.rank) + " called " + describe_call(call_count_, call_code_) + " but rank " +
+         std::to_string(peer) + " called " + describe_call(load_relaxed(&c->count), load_relaxed(&c->code));
 }
 
-std::string CpuExecutor::describe_call(int rank) const {
-  const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(rank));
+std::string CpuExecutor::describe_call(uint64_t count, uint64_t code) {
   std::ostringstream os;
-  os << "all_reduce(count=" << h->call_count << ", dtype=" << dtype_name(static_cast<DType>(h->call_dtype))
-     << ", op=" << op_name(static_cast<RedOp>(h->call_op))
-     << ", variant=" << variant_name(static_cast<Variant>(h->call_variant)) << ")";
+  os << "all_reduce(count=" << count << ", dtype=" << dtype_name(static_cast<DType>(code & 0xff))
+     << ", op=" << op_name(static_cast<RedOp>((code >> 8) & 0xff))
+     << ", variant=" << variant_name(static_cast<Variant>((code >> 16) & 0xff)) << ")";
   return os.str();
 }
 
@@ -485,6 +646,7 @@ void CpuExecutor::fail(ProtocolError::Kind kind, const std::string& what, const 
 
 void CpuExecutor::fail_from_abort(const Site& site, uint64_t epoch) {
   auto* c = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
+  const uint64_t word = load_acquire(&c->word);
   const uint64_t aux = load_relaxed(&c->aux0);
   const int origin = static_cast<int>(aux & 0xffffffffu);
   auto kind = static_cast<ProtocolError::Kind>(aux >> 32);
@@ -499,30 +661,40 @@ void CpuExecutor::fail_from_abort(const Site& site, uint64_t epoch) {
      << ", step " << site.step << ", waiting for rank " << site.peer << ", epoch " << epoch << "); rank " << origin
      << " reported: " << text;
   failure_ = os.str();
+  // Pass the same abort record on to the peers the origin may not have reached yet, before my
+  // failed mark: a peer that sees the mark finds its abort cell set (NOTE [transfer windows]).
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r == cfg_.rank) continue;
+    auto* pc = reinterpret_cast<Cell*>(heap_.base(r) + layout_.abort_cell());
+    if (load_acquire(&pc->word) != 0) continue;
+    store_relaxed(&pc->aux0, aux);
+    store_release(&pc->word, word);
+  }
   quiesce(epoch);
   throw ProtocolError(kind, failure_, cfg_.rank, site.peer, site.phase, site.step, epoch, 0);
 }
 
-// On failure, before the exception reaches the user: say that I touch no peer's memory any more,
-// then, if this round exposed my private buffers to cross-memory access, wait (bounded) until
-// every local peer is done with them -- it stored final(e) to me, failed itself, or exited. Else a
-// peer could still write into an output the user frees or reuses after catching the error.
+// On failure, before the exception reaches the user: mark that I take part in no round any
+// more, then, if this round exposed my private buffers to cross-memory access, wait (bounded by
+// kQuiesceMaxS) until no local peer's transfer window names me (NOTE [transfer windows]). Else a
+// peer could still write into an output the user frees or reuses after catching the error. A peer
+// that is merely late or stopped outside a window costs nothing here: it will see my mark.
 void CpuExecutor::quiesce(uint64_t epoch) {
   auto* mine = reinterpret_cast<SegmentHeader*>(heap_.mine());
   store_release(&mine->failed_epoch, epoch);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   if (exposed_epoch_ != epoch) return;
-  const int p = static_cast<int>(epoch & 1);
+  const uint64_t window = touch_word(epoch, cfg_.rank);
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(std::min(cfg_.timeout_s, kQuiesceMaxS)));
   for (int h = 0; h < where_.G; ++h) {
     if (h == where_.local) continue;
     const int peer = where_.rank_of(where_.node, h);
-    const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + layout_.final_cell(p, h));
     const auto* ph = reinterpret_cast<const SegmentHeader*>(heap_.base(peer));
     const auto start = clock::now();
     auto next_liveness = start;
-    while (flag_epoch(load_acquire(&c->word)) < epoch && load_acquire(&ph->failed_epoch) < epoch) {
+    while (load_acquire(&ph->touch) == window) {
       const auto now = clock::now();
       if (now >= deadline) break;
       if (now >= next_liveness) {

@@ -34,6 +34,14 @@ struct CpuConfig {
   size_t ll_max_bytes = 0;                    // inter-node shards up to this size go as LL packets (bytes)
 };
 
+// A hook polled by waits (about every 50 ms) so that the caller can handle signals: returns true
+// when the call must stop, with the reason in *why (the Python bindings run the interpreter's
+// signal handlers there; a handler that raised stops the call).
+struct Interrupt {
+  bool (*check)(void* ctx, std::string* why);
+  void* ctx;
+};
+
 class CpuExecutor {
  public:
   explicit CpuExecutor(const CpuConfig& cfg);
@@ -50,7 +58,9 @@ class CpuExecutor {
   bool cma_enabled() const { return round_cfg_.cma; }
 
   // out = reduce(in) over all ranks. in == out is in place. `count` elements of `dtype`.
-  void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant);
+  // `intr` (may be null) is polled while the call waits; it must outlive the call.
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant,
+                  const Interrupt* intr = nullptr);
 
   // The variant kAuto resolves to for a message of `bytes`.
   Variant resolve(Variant v, size_t bytes) const;
@@ -63,6 +73,10 @@ class CpuExecutor {
   const SegmentLayout& segment_layout() const { return layout_; }
   bool failed() const { return !failure_.empty(); }
   const std::string& failure() const { return failure_; }
+  // Marks this rank closed in its segment, where peers see it (a call of theirs that waits for
+  // this rank raises at once, naming it), and makes a call in flight on another thread raise.
+  // The memory stays mapped until close(). Idempotent.
+  void mark_closed();
   void close();
 
  private:
@@ -92,8 +106,19 @@ class CpuExecutor {
   [[noreturn]] void fail_from_abort(const Site& site, uint64_t epoch);
   void quiesce(uint64_t epoch);
   bool peer_alive(int peer) const;
-  std::string describe_call(int rank) const;
-  std::string mismatch(int peer) const;  // "rank R called all_reduce(...) but rank P called all_reduce(...)"
+  // "all_reduce(count=..., dtype=..., op=..., variant=...)" from a call description (count, code).
+  static std::string describe_call(uint64_t count, uint64_t code);
+  // "rank R called all_reduce(...) but rank P called all_reduce(...)", from the description in
+  // the flag cell at cell_off (written by the peer with its flag).
+  std::string mismatch(int peer, size_t cell_off) const;
+  // Whether the description in the flag cell at cell_off is this rank's current call and round.
+  bool same_call(size_t cell_off) const;
+  // The flag cell that carries the call description of the LL packets landing at `ll_off`.
+  size_t ll_desc_cell(size_t ll_off) const;
+  // After a ready flag from local peer `peer`: checks that the buffers it advertises lie within
+  // its segment (shm) and records them (cross-memory), to bound every remote read and write.
+  void record_advertised(int peer, size_t cell_off, const Site& site, uint64_t epoch);
+  void check_remote_range(bool write, int peer, uint64_t addr, size_t bytes, const Site& site, uint64_t epoch);
   void jitter();
 
   CpuConfig cfg_;
@@ -117,6 +142,15 @@ class CpuExecutor {
   uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
   uint64_t rng_ = 0;
   std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
+  // The call in flight, carried by every flag I send and compared with every flag I receive
+  // (NOTE [call description], executor.cpp).
+  uint64_t call_count_ = 0;
+  uint64_t call_code_ = 0;                  // dtype | op << 8 | variant << 16
+  uint64_t round_n_ = 0;                    // elements of the round in flight
+  const Interrupt* intr_ = nullptr;         // the caller's interrupt hook, during a call
+  std::vector<uint64_t> adv_in_;            // per local rank: private input address it advertised (cma), or 0
+  std::vector<uint64_t> adv_out_;           // per local rank: private output address it advertised (cma), or 0
+  std::vector<uint64_t> adv_bytes_;         // per local rank: bytes of the round it advertised
 };
 
 }  // namespace nvrar

@@ -126,9 +126,16 @@ template <> NVRAR_HD int32_t store_acc<int32_t>(int32_t v) { return v; }
 template <> NVRAR_HD f16 store_acc<f16>(float v) { return to_f16(v); }
 template <> NVRAR_HD bf16 store_acc<bf16>(float v) { return to_bf16(v); }
 
-// Binary ops on accumulators. Floating max/min follow IEEE maxNum/minNum (a NaN operand is
-// ignored), like fmaxf/fminf. Operand order is canonical (lower rank first) at every call site,
-// which is what makes results bitwise identical everywhere even for order-sensitive corner cases.
+// Binary ops on accumulators. Floating max/min propagate NaN, like torch (torch.amax, maximum,
+// gloo): if either operand is a NaN the result is the canonical quiet NaN (fp32 0x7fc00000, which
+// stores as fp16 0x7e00 and bf16 0x7fc0), whatever the payloads, so every rank stores the same
+// bits. Signed zeros follow IEEE 754-2019 maximum/minimum: max(-0, +0) = +0 and min(-0, +0) = -0
+// in either order (torch.maximum returns its first operand there; nvrar does not depend on the
+// order). Equal operands combine their bits with AND (max) / OR (min), which only matters for
+// zeros. Operand order is canonical (lower rank first) at every call site anyway. Written as
+// selects, so that the host compiler vectorizes them.
+NVRAR_HD float canonical_nan() { return bits_float(0x7fc00000u); }
+
 struct OpSum {
   NVRAR_HD float operator()(float a, float b) const { return a + b; }
   // Wrapping int32 addition: defined behaviour, identical on every rank.
@@ -138,12 +145,18 @@ struct OpSum {
 };
 struct OpMax {
   NVRAR_HD float operator()(float a, float b) const {
-    return (b > a || a != a) ? b : a;  // NaN in a -> b; NaN in b -> a (comparison false)
+    const float m = a > b ? a : b;
+    const float z = a == b ? bits_float(float_bits(a) & float_bits(b)) : m;  // +0 wins over -0
+    return (a != a || b != b) ? canonical_nan() : z;
   }
   NVRAR_HD int32_t operator()(int32_t a, int32_t b) const { return b > a ? b : a; }
 };
 struct OpMin {
-  NVRAR_HD float operator()(float a, float b) const { return (b < a || a != a) ? b : a; }
+  NVRAR_HD float operator()(float a, float b) const {
+    const float m = a < b ? a : b;
+    const float z = a == b ? bits_float(float_bits(a) | float_bits(b)) : m;  // -0 wins over +0
+    return (a != a || b != b) ? canonical_nan() : z;
+  }
   NVRAR_HD int32_t operator()(int32_t a, int32_t b) const { return b < a ? b : a; }
 };
 
