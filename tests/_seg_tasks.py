@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any, List, Optional

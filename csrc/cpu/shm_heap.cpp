@@ -100,7 +100,7 @@ bool parse_name(const std::string& name, NameFields* f) {
   if (hex.size() != 32 || !all_of(hex, 0, 32, isxdigit)) return false;
   for (size_t i = 0; i + 1 < parts.size(); ++i)
     if (parts[i].empty() || parts[i].size() > 20 || !all_of(parts[i], 0, parts[i].size(), isdigit)) return false;
-  if (parts.size() == 5) {
+  if (parts.size() == 4) {
     f->ns = std::strtoull(parts[0].c_str(), nullptr, 10);
     f->pid = std::atoll(parts[1].c_str());
     f->start = std::strtoull(parts[2].c_str(), nullptr, 10);
@@ -197,7 +197,7 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
       room = mib(static_cast<unsigned long long>(vfs.f_bavail) * vfs.f_frsize) + " free of " +
              mib(static_cast<unsigned long long>(vfs.f_blocks) * vfs.f_frsize);
     NVRAR_CHECK(false, "nvrar: rank ", rank, ": cannot reserve ", bytes, " bytes (", mib(bytes),
-                ") of shared memory for this rank's segment in /dev/shm: ", std::strerror(err), " (/dev/shm: ", room,
+                ") of shared memory for this rank's segment in /dev/shm: ", std::strerror(err), " (/dev/shm now: ", room,
                 "). The ", world, " rank(s) on this host need about ", mib(static_cast<unsigned long long>(bytes) * world),
                 " in all: enlarge /dev/shm (docker run --shm-size=", (static_cast<unsigned long long>(bytes) * world >> 20) + 64,
                 "m, or mount -o remount,size=... /dev/shm), or lower heap_bytes= (NVRAR_HEAP_BYTES, the empty() pool) "
