@@ -53,7 +53,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CpuExecutor>(m, "CpuExecutor")
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
                        size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
-                       size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes) {
+                       size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes, py::bytes secret) {
              CpuConfig c;
              c.rank = rank;
              c.world = world;
@@ -68,12 +68,13 @@ PYBIND11_MODULE(_C, m) {
              c.cma_min_bytes = cma_min_bytes;
              c.cma_piece_bytes = cma_piece_bytes;
              c.ll_max_bytes = ll_max_bytes;
+             c.secret = secret;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us") = 0.0,
            py::arg("jitter_seed") = 0, py::arg("cma") = true, py::arg("cma_min_bytes") = 8 << 10,
-           py::arg("cma_piece_bytes") = 256 << 10, py::arg("ll_max_bytes") = 0)
+           py::arg("cma_piece_bytes") = 256 << 10, py::arg("ll_max_bytes") = 0, py::kw_only(), py::arg("secret"))
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)

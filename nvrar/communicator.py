@@ -39,6 +39,10 @@ _log = logging.getLogger("nvrar")
 _POOL_ALIGN = 256  # bytes; every empty() block starts on this boundary
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+# Executors a forked child dropped: kept referenced so that the child never runs their release
+# (the segments and device memory are the parent's).
+_left_to_parent: List[Any] = []
+_SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor.h kSecretBytes)
 
 
 @atexit.register
@@ -218,6 +222,7 @@ class Communicator:
     ) -> None:
         self._ex: Any = None
         self._closed = False
+        self._pid = os.getpid()  # a forked child must not use this communicator (_forked)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self._device = device
@@ -248,6 +253,8 @@ class Communicator:
                 "launcher": boot.launcher_local_size,
                 "error": env_error,
                 "settings": {k: settings[k] for k in _AGREED} if settings else None,
+                # The session secret every rank's segment carries and every attaching rank checks.
+                "secret": os.urandom(_SECRET_BYTES).hex() if boot.rank == 0 else "",
             }
             infos = boot.allgather_json(mine, "settings")
             bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
@@ -258,11 +265,13 @@ class Communicator:
             self._variant = selector.variant_code(settings["algo"])
             self._timeout = settings["timeout"]
             if device == "cpu":
-                self._setup_cpu(boot, G, settings)
+                self._setup_cpu(boot, G, settings, bytes.fromhex(infos[0]["secret"]))
             else:
                 self._setup_gpu(boot, G, settings)
         except BaseException:
             if self._ex is not None:
+                if device == "cpu":
+                    self._ex.unlink_segment()
                 self._ex.close()
                 self._ex = None
             self._closed = True
@@ -310,14 +319,28 @@ class Communicator:
         out["oneshot_max"] = env.get_bytes("NVRAR_ONESHOT_MAX_BYTES")  # the override (None: by layout)
         return out
 
-    def _setup_cpu(self, boot: Any, G: int, st: dict) -> None:
+    def _setup_cpu(self, boot: Any, G: int, st: dict, secret: bytes) -> None:
         from . import _C
 
+        if len(secret) != _SECRET_BYTES:
+            raise NvrarError(f"Communicator: rank 0 sent a session secret of {len(secret)} bytes, "
+                             f"expected {_SECRET_BYTES}")
         oneshot = selector.oneshot_max_bytes("cpu", self._world, G)
-        self._ex = _C.CpuExecutor(self._rank, self._world, G, st["max_bytes"], st["heap_bytes"], oneshot, st["timeout"],
-                                  st["jitter_us"], st["jitter_seed"], st["cma"], st["cma_min"],
-                                  selector.cma_piece_bytes("cpu", G), st["ll_max"])
-        names = boot.allgather_str(self._ex.segment_name, "segment name")
+        # Creating the segment can fail on one rank alone (/dev/shm full): the verdicts travel
+        # with the names, so that every rank raises at construction and none waits for another.
+        created = {"segment": "", "error": ""}
+        try:
+            self._ex = _C.CpuExecutor(self._rank, self._world, G, st["max_bytes"], st["heap_bytes"], oneshot,
+                                      st["timeout"], st["jitter_us"], st["jitter_seed"], st["cma"], st["cma_min"],
+                                      selector.cma_piece_bytes("cpu", G), st["ll_max"], secret=secret)
+            created["segment"] = self._ex.segment_name
+        except NvrarError as exc:
+            created["error"] = str(exc)
+        everyone = boot.allgather_json(created, "segment")
+        failed = [(r, s["error"]) for r, s in enumerate(everyone) if s["error"]]
+        if failed:
+            raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+        names = [s["segment"] for s in everyone]
         status = {"error": "", "cma": False}
         try:
             self._ex.attach(names)
@@ -434,7 +457,7 @@ class Communicator:
 
     def algorithm_for(self, nbytes: int, algo: Optional[str] = None) -> str:
         """The variant a call on ``nbytes`` bytes runs ("one-shot" or "two-shot")."""
-        self._check_open()
+        self._check_open("algorithm_for")
         code = self._ex.resolve(self._variant if algo is None else selector.variant_code(algo), int(nbytes))
         return {v: k for k, v in selector.VARIANTS.items()}[code]
 
@@ -459,6 +482,8 @@ class Communicator:
         the call is asynchronous: a failure of the kernel (timeout, mismatch) raises at the next
         call or in :meth:`check`.
         """
+        if self._pid != os.getpid():
+            raise self._forked("all_reduce")
         ex = self._ex
         if ex is None:
             raise NvrarError("all_reduce: the communicator is closed")
@@ -524,7 +549,7 @@ class Communicator:
     def check(self, stream: Any = None) -> None:
         """GPU: synchronize ``stream`` (default: the current torch stream, if torch is loaded)
         and raise the failure a kernel recorded, if any. CPU: raise if the communicator failed."""
-        self._check_open()
+        self._check_open("check")
         if self._device == "cpu":
             if self._ex.failed:
                 raise NvrarError(self._ex.failure)
@@ -576,7 +601,7 @@ class Communicator:
         to the pool when the last reference to the array (and its views) is gone. Not collective:
         but ranks that want zero-copy on both sides simply allocate alike.
         """
-        self._check_open()
+        self._check_open("empty")
         shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape_t):
             raise ValueError(f"empty: negative dimension in shape {shape_t}")
@@ -613,13 +638,21 @@ class Communicator:
 
     def _release_block(self, pool: _PoolAllocator, off: int, nbytes: int, ex: Any) -> None:
         pool.release(off, nbytes)
+        if self._pid != os.getpid():
+            return  # a forked child's copy of the pool: the memory stays the parent's
         if self._closed and self._device == "cpu" and pool.live() == 0 and ex is not None:
             ex.close()  # close() deferred the unmapping until the last block died
 
     # -- lifetime ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_open(self, what: str = "this call") -> None:
+        if self._pid != os.getpid():
+            raise self._forked(what)
         if self._ex is None:
             raise NvrarError("the communicator is closed")
+
+    def _forked(self, what: str) -> NvrarError:
+        return NvrarError(f"nvrar: {what}: this Communicator was created by process {self._pid}; a forked child "
+                          f"(pid {os.getpid()}) cannot use it: create a new Communicator in the child")
 
     def close(self, *, _collective: bool = True) -> None:
         """Release this rank's resources. Idempotent; also run at interpreter exit.
@@ -633,6 +666,11 @@ class Communicator:
         ex, self._ex = self._ex, None
         _live.discard(self)
         if ex is None:
+            return
+        if self._pid != os.getpid():
+            # A forked child: the segments, peers and device memory are the parent's. Drop the
+            # communicator here without releasing anything (nor letting a destructor do it).
+            _left_to_parent.append(ex)
             return
         if self._device == "cuda":
             if _collective:

@@ -51,6 +51,7 @@ struct SegmentHeader {
   uint64_t closed;        // != 0: the owner closed its communicator; it takes part in no round any more
   uint64_t touch;         // touch_word(epoch, target) while the owner transfers to or from a peer's
                           // private memory (NOTE [transfer windows]); 0 otherwise
+  uint8_t secret[kSecretBytes];  // the session's secret (CpuConfig::secret): every attaching rank checks it
 };
 static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
 
@@ -103,26 +104,6 @@ inline void cpu_relax() {
 #endif
 }
 
-// Field 22 (start time) and field 3 (state) of /proc/<pid>/stat; {0, 0} if unreadable.
-std::pair<uint64_t, char> proc_stat(int64_t pid) {
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
-  std::ifstream f(path);
-  std::string s;
-  if (!f || !std::getline(f, s)) return {0, 0};
-  size_t rp = s.rfind(')');
-  if (rp == std::string::npos) return {0, 0};
-  std::istringstream is(s.substr(rp + 2));
-  std::string tok;
-  char state = 0;
-  uint64_t start = 0;
-  for (int field = 3; field <= 22 && (is >> tok); ++field) {
-    if (field == 3) state = tok.empty() ? 0 : tok[0];
-    if (field == 22) start = std::strtoull(tok.c_str(), nullptr, 10);
-  }
-  return {start, state};
-}
-
 uint64_t config_hash(const CpuConfig& c, const SegmentLayout& L) {
   uint64_t fields[] = {kVersion, static_cast<uint64_t>(c.world), static_cast<uint64_t>(c.ranks_per_node),
                        c.max_bytes, c.oneshot_max_bytes, L.total_bytes, L.pool_bytes, L.zone_bytes, c.ll_max_bytes};
@@ -142,6 +123,8 @@ CpuConfig checked(CpuConfig c) {
   NVRAR_CHECK(c.max_bytes >= kMinChunkBytes, "max_bytes must be at least ", kMinChunkBytes, ", got ", c.max_bytes);
   NVRAR_CHECK(c.timeout_s > 0 && c.timeout_s <= kMaxTimeoutS, "timeout must be in (0, ", kMaxTimeoutS, "] s, got ",
               c.timeout_s);
+  NVRAR_CHECK(c.secret.size() == kSecretBytes, "the session secret must be ", kSecretBytes, " bytes, got ",
+              c.secret.size());
   c.max_bytes = c.max_bytes / 64 * 64;  // chunk starts keep 64-byte alignment
   c.cma_piece_bytes = std::max<size_t>(c.cma_piece_bytes / 64 * 64, 4096);
   return c;
@@ -170,6 +153,7 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   h->pid = static_cast<int64_t>(getpid());
   h->start_time = proc_stat(h->pid).first;
   h->self_base = reinterpret_cast<uint64_t>(heap_.mine());
+  std::memcpy(h->secret, cfg_.secret.data(), kSecretBytes);
   rng_ = (cfg_.jitter_seed ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(cfg_.rank + 1))) | 1u;
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   cpu_set_t set;
@@ -203,12 +187,15 @@ CpuExecutor::~CpuExecutor() { close(); }
 // Safe against a call in flight on another thread: it is told to stop (it raises), and the
 // memory goes only once it has left.
 void CpuExecutor::close() {
+  // A forked child: the segments, mappings and lock are the creator's; touch nothing.
+  if (!heap_.in_creator()) return;
   mark_closed();
   std::lock_guard<std::mutex> lock(busy_);
   heap_.release();
 }
 
 void CpuExecutor::mark_closed() {
+  if (!heap_.in_creator()) return;  // a forked child must not mark its parent's segment closed
   closing_.store(true, std::memory_order_release);
   // Safe without the lock: the header page stays mapped until close() took it.
   if (char* mine = heap_.mine()) store_release(&reinterpret_cast<SegmentHeader*>(mine)->closed, 1);
@@ -221,6 +208,11 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
     const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(r));
     NVRAR_CHECK(h->magic == kMagic && h->version == kVersion, "rank ", cfg_.rank, ": rank ", r,
                 "'s segment is not an nvrar segment of version ", kVersion);
+    // Every byte compared, whatever differs first: the time taken says nothing about the secret.
+    unsigned diff = 0;
+    for (size_t i = 0; i < kSecretBytes; ++i) diff |= static_cast<unsigned>(h->secret[i] ^ mine->secret[i]);
+    NVRAR_CHECK(diff == 0, "nvrar: rank ", cfg_.rank, ": rank ", r, "'s shared-memory segment does not carry this "
+                "session's secret (a segment of another session, or forged): refusing it");
     NVRAR_CHECK(h->rank == r && h->world == cfg_.world, "rank ", cfg_.rank, ": segment ", r, " belongs to rank ",
                 h->rank, " of ", h->world, " (bootstrap exchanged names out of order)");
     NVRAR_CHECK(h->config_hash == mine->config_hash, "rank ", cfg_.rank, ": rank ", r,
@@ -253,6 +245,10 @@ Variant CpuExecutor::resolve(Variant v, size_t bytes) const {
 
 void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant,
                              const Interrupt* intr) {
+  // Second line behind the Python check: a forked child would write into its parent's segment
+  // and, through cross-memory access, let peers write into the parent's buffers.
+  NVRAR_CHECK(heap_.in_creator(), "nvrar: this Communicator was created by process ", heap_.creator_pid(),
+              "; a forked child (pid ", getpid(), ") cannot use it: create a new Communicator in the child");
   NVRAR_CHECK(!closing_.load(std::memory_order_acquire), "all_reduce: the communicator is closed");
   std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
   NVRAR_CHECK(lock.owns_lock(), "all_reduce: another thread is using this communicator; calls on one "

@@ -18,6 +18,8 @@
 
 namespace nvrar {
 
+constexpr size_t kSecretBytes = 16;  // the session secret every segment header carries
+
 struct CpuConfig {
   int rank = 0;
   int world = 1;
@@ -32,6 +34,7 @@ struct CpuConfig {
   size_t cma_min_bytes = size_t{8} << 10;     // smallest shard (bytes) moved by cross-memory reads/writes
   size_t cma_piece_bytes = size_t{256} << 10; // cross-memory transfers go piece by piece, this large (bytes)
   size_t ll_max_bytes = 0;                    // inter-node shards up to this size go as LL packets (bytes)
+  std::string secret;                         // kSecretBytes drawn by rank 0, the same on every rank
 };
 
 // A hook polled by waits (about every 50 ms) so that the caller can handle signals: returns true

@@ -2,18 +2,33 @@
 // communicator on this host.
 //
 // Lifecycle (driven by the Communicator's bootstrap):
-//   1. ShmHeap(bytes): create my segment (O_EXCL, mode 0600, a 128-bit random name) and map it.
+//   1. ShmHeap(bytes): sweep the segments of this user's dead processes, create my segment
+//      (O_EXCL, mode 0600, named after its creator plus 128 random bits), reserve its space in
+//      /dev/shm for real (posix_fallocate: a short /dev/shm fails here, not with SIGBUS in a
+//      call) and map it.
 //   2. name() is exchanged between ranks (all-gather over the bootstrap).
-//   3. attach(names): map every peer's segment.
+//   3. attach(names): map every peer's segment, each only if it is a file of this user with mode
+//      0600 (checked on the open descriptor, before mapping).
 //   4. unlink(), after a barrier: every rank has mapped every segment, so the names can go. From
 //      then on nothing is left in /dev/shm, even if a process crashes.
+//
+// A process forked from the creator inherits the object but never unlinks or unmaps anything
+// through it: those belong to the creator.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace nvrar {
+
+// Field 22 (start time, clock ticks since boot) and field 3 (state) of /proc/<pid>/stat; {0, 0}
+// if unreadable. The start time tells a live process from a later one that reuses its pid.
+std::pair<uint64_t, char> proc_stat(int64_t pid);
 
 class ShmHeap {
  public:
@@ -26,6 +41,9 @@ class ShmHeap {
   size_t bytes() const { return bytes_; }
   int rank() const { return rank_; }
   int world() const { return world_; }
+  // The process that created this heap; any other process (a forked child) must not use it.
+  pid_t creator_pid() const { return creator_pid_; }
+  bool in_creator() const;
 
   // Map every peer's segment; names[r] is rank r's name (mine is checked, not re-mapped).
   void attach(const std::vector<std::string>& names);
@@ -42,6 +60,7 @@ class ShmHeap {
   int rank_;
   int world_;
   size_t bytes_;
+  pid_t creator_pid_;
   std::string name_;
   bool linked_ = false;
   bool attached_ = false;
