@@ -139,8 +139,8 @@ mps_env() {
   export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / MAX_PES))
 }
 
-test_env() {  # $1: reduced (MPS) or minimal (no MPS)
-  export NVRAR_GPU_TEST_LOAD=$1 NVRAR_GPU_LAUNCH_TIMEOUT=$LAUNCH_TIMEOUT
+test_env() {  # $1: reduced (MPS) or minimal (no MPS); a test skipped for want of a GPU is an error
+  export NVRAR_GPU_TEST_LOAD=$1 NVRAR_GPU_LAUNCH_TIMEOUT=$LAUNCH_TIMEOUT NVRAR_GPU_REQUIRED=1
 }
 
 netpath_env() {  # $1: directory of the unpacked libucx wheel
@@ -298,7 +298,7 @@ else
   netpath() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvrar-ucx "$whl" || return 1
     netpath_env /tmp/nvrar-ucx
-    export NVRAR_GPU_NETPATH=1 NVSHMEM_DEBUG=${NVSHMEM_DEBUG:-WARN}
+    export NVRAR_GPU_NETPATH=1 NVRAR_GPU_REQUIRED=1 NVSHMEM_DEBUG=${NVSHMEM_DEBUG:-WARN}
     env | grep -E '^(NVSHMEM_|UCX_)' | sort
     "$PY" -m pytest tests/gpu -v -rA -x -p no:cacheprovider --timeout=$((T_NETPATH - 5)) -k "netpath"
   }
