@@ -5,8 +5,11 @@
   present (the build backend in _build_backend/ puts the NVSHMEM wheel into the build
   environment when it finds nvcc). NVRAR_CUDA=0 skips it; NVRAR_CUDA=1 makes its absence an error.
   NVRAR_CUDA_ARCHS (default "80;90") lists the compute capabilities to compile for.
+  NVRAR_BUILD_JOBS (default: the number of CPUs) bounds the compilers running at once.
 
-The CUDA sources are compiled with nvcc as relocatable device code, device-linked against
+The fused kernel is instantiated once per element type and reduction (12 instances), each in its
+own nvcc process (csrc/cuda/allreduce_inst.cu with NVRAR_INST_T / NVRAR_INST_OP), and the nvcc
+processes run in parallel. The CUDA sources are compiled with nvcc as relocatable device code, device-linked against
 libnvshmem_device.a, and linked by the host compiler into a module whose only exported symbol is
 its init function (no other library can pick up our NVSHMEM device state).
 """
@@ -18,6 +21,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from pybind11.setup_helpers import build_ext as pybind_build_ext
@@ -39,6 +43,9 @@ HOST_FLAGS = [
 # Headers, so that editing one rebuilds the objects that include it.
 HEADERS = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True))
 CUDA_ARCHS = [a for a in os.environ.get("NVRAR_CUDA_ARCHS", "80;90").split(";") if a]
+BUILD_JOBS = int(os.environ.get("NVRAR_BUILD_JOBS", "0") or 0) or os.cpu_count() or 1
+# The kernel instances: csrc/cuda/allreduce_inst.cu compiled once per (element type, reduction).
+KERNEL_INSTANCES = [(t, op) for t in ("float", "f16", "bf16", "int32_t") for op in ("OpSum", "OpMax", "OpMin")]
 BUILD_LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "nvrar-cuda-build.log")
 
 
@@ -81,39 +88,56 @@ class BuildExt(pybind_build_ext):
                 log.write(f"linked {self.get_ext_fullpath(ext.name)}\n")
 
     def _run(self, cmd):
-        """Run one CUDA build step; the command and its time also go to build/nvrar-cuda-build.log
-        (pip hides a build's output; CI prints this file)."""
+        """Run one CUDA build step; the command, its output and its time also go to
+        build/nvrar-cuda-build.log (pip hides a build's output; CI prints this file). Thread-safe:
+        each step's lines are written at once when it ends."""
         start = time.time()
         line = " ".join(shlex.quote(c) for c in cmd)
-        print("nvrar build: " + line, flush=True)
         result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        print(result.stdout, end="", flush=True)
+        took = time.time() - start
+        print(f"nvrar build: {line}\n{result.stdout}nvrar build: {took:.1f} s, exit {result.returncode}", flush=True)
         with open(BUILD_LOG, "a") as log:
-            log.write(f"$ {line}\n{result.stdout}[{time.time() - start:.1f} s, exit {result.returncode}]\n")
+            log.write(f"$ {line}\n{result.stdout}[{took:.1f} s, exit {result.returncode}]\n")
         if result.returncode != 0:
             raise subprocess.CalledProcessError(result.returncode, cmd)
-        print(f"nvrar build: {time.time() - start:.1f} s", flush=True)
 
     def _nvcc(self, ext, sources):
         os.makedirs(os.path.dirname(BUILD_LOG), exist_ok=True)
+        start = time.time()
         with open(BUILD_LOG, "w") as log:
-            log.write(f"nvrar GPU executor build, {time.strftime('%Y-%m-%d %H:%M:%S')}, archs {CUDA_ARCHS}\n")
+            log.write(f"nvrar GPU executor build, {time.strftime('%Y-%m-%d %H:%M:%S')}, archs {CUDA_ARCHS}, "
+                      f"{BUILD_JOBS} parallel jobs\n")
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
         tmp = os.path.join(self.build_temp, "cuda")
         os.makedirs(tmp, exist_ok=True)
-        objs = []
+        units = []  # (source, extra defines, object)
         for src in sources:
-            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            stem = os.path.basename(src)
+            if stem == "allreduce_inst.cu":
+                for t, op in KERNEL_INSTANCES:
+                    units.append((src, [f"-DNVRAR_INST_T={t}", f"-DNVRAR_INST_OP={op}"],
+                                  os.path.join(tmp, f"allreduce_{t}_{op}.cu.o")))
+            else:
+                units.append((src, [], os.path.join(tmp, stem + ".o")))
+        todo = []
+        for src, defines, obj in units:
             deps = [src] + HEADERS
             if self.force or not os.path.exists(obj) or max(os.path.getmtime(d) for d in deps) > os.path.getmtime(obj):
-                self._run([ext.nvcc, "-std=c++17", "-O3", "-rdc=true", "-t", "0", *gencode,
-                           "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-O3",
-                           f"-DNVRAR_CUDA_ARCHS=\"{';'.join(CUDA_ARCHS)}\"",
-                           *[f"-I{d}" for d in ext.include_dirs], "-c", src, "-o", obj])
-            objs.append(obj)
+                todo.append([ext.nvcc, "-std=c++17", "-O3", "-rdc=true", "-t", "0", *gencode,
+                             "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-O3",
+                             f"-DNVRAR_CUDA_ARCHS=\"{';'.join(CUDA_ARCHS)}\"", *defines,
+                             *[f"-I{d}" for d in ext.include_dirs], "-c", src, "-o", obj])
+        # The slowest units (the kernel instances) are listed last: start them first.
+        with ThreadPoolExecutor(max_workers=max(1, min(BUILD_JOBS, len(todo) or 1))) as pool:
+            for f in [pool.submit(self._run, cmd) for cmd in reversed(todo)]:
+                f.result()
+        objs = [obj for _, _, obj in units]
         dlink = os.path.join(tmp, "nvrar_cuda_dlink.o")
         self._run([ext.nvcc, "-dlink", *gencode, "-Xcompiler", "-fPIC", *objs, f"-L{ext.nvshmem_lib}",
                    "-lnvshmem_device", "-o", dlink])
+        with open(BUILD_LOG, "a") as log:
+            log.write(f"nvcc: {len(todo)} of {len(units)} units compiled, {BUILD_JOBS} jobs, "
+                      f"{time.time() - start:.1f} s wall (device link included)\n")
         return objs + [dlink]
 
 
@@ -137,12 +161,14 @@ nvshmem = find_nvshmem() if nvcc else None
 if nvcc and nvshmem:
     cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
     major, minor, patch = nvshmem_version(nvshmem)
-    # The device library linked in must not be newer than the host library loaded at run time.
-    install_requires.append(f"nvidia-nvshmem-cu13>={major}.{minor}.{patch},<{major + 1}")
+    # The host library loaded at run time is the one the module was built against (headers and
+    # device library): nvrar enters NVSHMEM through a non-ABI entry point and links its device
+    # state, so another version is refused at load time (nvrar/_gpu.py) rather than trusted.
+    install_requires.append(f"nvidia-nvshmem-cu13=={major}.{minor}.{patch}")
     cuda_ext = Pybind11Extension(
         "nvrar._cuda",
         sources=["csrc/cuda/bindings_cuda.cpp", "csrc/bindings_common.cpp", "csrc/cuda/runtime.cu",
-                 "csrc/cuda/allreduce.cu"],
+                 "csrc/cuda/allreduce.cu", "csrc/cuda/allreduce_inst.cu"],
         include_dirs=["csrc", os.path.join(nvshmem, "include"), os.path.join(cuda_home, "include")],
         library_dirs=[os.path.join(nvshmem, "lib"), os.path.join(cuda_home, "lib64")],
         libraries=["nvshmem_device", ":libnvshmem_host.so.3", "cudart_static", "dl", "rt", "pthread"],

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "cpu/executor.h"
 #include "cpu/reduce_kernels.h"
+#include "protocol/ll.h"
 #include "protocol/plan.h"
 #include "protocol/types.h"
 
@@ -231,4 +232,31 @@ PYBIND11_MODULE(_C, m) {
             make_scale(static_cast<RedOp>(op), world));
       },
       py::arg("dsts"), py::arg("srcs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("world") = 1);
+
+  // LL packing of protocol/ll.h, quad by quad (the vector path the GPU kernel takes), to test it
+  // against the packet-by-packet definition: packets of `bytes` payload bytes at `payload` into
+  // `out` (ll_wire_bytes(bytes)), and back.
+  m.def(
+      "ll_pack_quads",
+      [](uintptr_t payload, size_t bytes, uint32_t flag, uintptr_t out) {
+        uint64_t* pk = reinterpret_cast<uint64_t*>(out);
+        for (size_t q = 0; q < ll_quads(bytes); ++q) {
+          uint64_t quad[kLLQuad];
+          ll_make_quad(reinterpret_cast<const char*>(payload), bytes, q, flag, quad);
+          for (size_t k = 0; k < ll_quad_size(bytes, q); ++k) pk[q * kLLQuad + k] = quad[k];
+        }
+        return ll_packets(bytes);
+      },
+      py::arg("payload"), py::arg("bytes"), py::arg("flag"), py::arg("out"));
+  m.def(
+      "ll_unpack_quads",
+      [](uintptr_t packets, size_t bytes, uintptr_t dst) {
+        const uint64_t* pk = reinterpret_cast<const uint64_t*>(packets);
+        for (size_t q = 0; q < ll_quads(bytes); ++q) {
+          uint64_t quad[kLLQuad] = {0, 0, 0, 0};
+          for (size_t k = 0; k < ll_quad_size(bytes, q); ++k) quad[k] = pk[q * kLLQuad + k];
+          ll_store_quad(reinterpret_cast<char*>(dst), bytes, q, quad);
+        }
+      },
+      py::arg("packets"), py::arg("bytes"), py::arg("dst"));
 }

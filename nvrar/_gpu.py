@@ -12,7 +12,7 @@ import importlib.util
 import os
 from typing import Any, Optional, Tuple
 
-__all__ = ["load", "load_error", "built"]
+__all__ = ["load", "load_error", "built", "version_mismatch"]
 
 _module: Any = None
 _error: Optional[str] = None
@@ -52,13 +52,55 @@ def load() -> Tuple[Any, Optional[str]]:
             except OSError:
                 continue
             break
+    loaded = _loaded_library_version()
     try:
         from . import _cuda
     except ImportError as exc:
-        _error = f"the GPU executor module does not load: {exc} (pip install nvidia-nvshmem-cu13)"
+        _error = (f"the GPU executor module does not load: {exc} (NVSHMEM host library loaded: "
+                  f"{loaded or 'none'}; pip install nvidia-nvshmem-cu13)")
+        return None, _error
+    built_with = _cuda.build_info()["nvshmem_version"]
+    loaded = _cuda.nvshmem_library_version()
+    why = version_mismatch(built_with, loaded)
+    if why:
+        _error = why
         return None, _error
     _module = _cuda
     return _module, None
+
+
+def _loaded_library_version() -> Optional[str]:
+    """Version of the NVSHMEM host library this process has loaded (or would load), via its C entry
+    point, before the module is imported; None when none loads."""
+    for d in _nvshmem_lib_dirs():
+        path = os.path.join(d, "libnvshmem_host.so.3")
+        if not os.path.exists(path):
+            continue
+        try:
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            v = [ctypes.c_int(0) for _ in range(3)]
+            lib.nvshmemx_vendor_get_version_info(*[ctypes.byref(x) for x in v])
+            return ".".join(str(x.value) for x in v)
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def version_mismatch(built_with: str, loaded: str) -> Optional[str]:
+    """None when the NVSHMEM host library loaded is the version the module was built against (same
+    major.minor; the patch may differ), else why not. nvrar links NVSHMEM's device library and enters
+    the host library through a non-ABI entry point, so another minor version is refused here rather
+    than left to fail inside nvshmem_init."""
+    try:
+        b = tuple(int(p) for p in built_with.split("."))
+        l = tuple(int(p) for p in loaded.split("."))
+    except (AttributeError, ValueError):
+        return f"cannot compare NVSHMEM versions: built against {built_with!r}, loaded {loaded!r}"
+    if b[:2] == l[:2]:
+        return None
+    return (f"nvrar was built against NVSHMEM {built_with} but NVSHMEM {loaded} is loaded: install the "
+            f"matching host library (pip install nvidia-nvshmem-cu13=={built_with}) or rebuild nvrar "
+            f"against {loaded} (pip install --no-build-isolation ., with that version installed)")
 
 
 def load_error() -> Optional[str]:

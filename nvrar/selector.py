@@ -58,9 +58,12 @@ def oneshot_max_bytes(device: str, world_size: int, ranks_per_node: int) -> int:
     return _GPU_ONESHOT_MAX_SMALL_G if ranks_per_node <= 4 else _GPU_ONESHOT_MAX
 
 
-# GPU launch: one CUDA block (one slice, own flags) per 256 KB of message, at most 16 blocks of
-# 512 threads: small messages stay on one block (fewest flags), large ones spread over SMs.
-_GPU_LAUNCH = {"max_blocks": 16, "threads": 512, "block_bytes": 256 << 10}
+# GPU launch: one CUDA block (one slice, own flags) per 32 KB of message, at most 16 blocks of
+# 512 threads: a block moves 8 KB per pass (16 bytes a thread), so a slice is at most 4 passes;
+# 64 KB runs on 2 blocks, 256 KB and more on 8-16 SMs (one block up to 256 KB left one SM's load
+# and store bandwidth and one thread's sequential loads as the limit). Messages up to 32 KB stay
+# on one block: fewest flags. Unmeasured on a GPU: scripts/gpu_check.sh's sweep is the check.
+_GPU_LAUNCH = {"max_blocks": 16, "threads": 512, "block_bytes": 32 << 10}
 
 
 def gpu_launch(device: str, ranks_per_node: int) -> dict:

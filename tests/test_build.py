@@ -29,9 +29,20 @@ def test_gpu_executor_is_built_where_nvcc_is():
     info = nvrar.build_info()
     assert info["cuda"] is True, info["cuda_error"]
     assert info["nvshmem_version"] and {80, 90} <= set(info["cuda_archs"])
-    major, minor, _ = (int(p) for p in info["nvshmem_library_version"].split("."))
-    hmajor, hminor, _ = (int(p) for p in info["nvshmem_version"].split("."))
-    assert major == hmajor and minor >= hminor  # the loaded host library is not older than the headers
+    # The install requirement pins the NVSHMEM wheel the module was built against (setup.py).
+    assert info["nvshmem_library_version"] == info["nvshmem_version"], info
+
+
+def test_nvshmem_version_mismatch_is_a_clear_error():
+    """Another minor version of NVSHMEM's host library is refused when the module loads, with both
+    versions and the fix named (not a crash inside nvshmem_init)."""
+    from nvrar._gpu import version_mismatch
+
+    assert version_mismatch("3.4.5", "3.4.5") is None
+    assert version_mismatch("3.4.5", "3.4.7") is None  # a patch release
+    for loaded in ("3.8.0", "3.3.9", "4.4.5"):
+        why = version_mismatch("3.4.5", loaded)
+        assert why and "3.4.5" in why and loaded in why and "nvidia-nvshmem-cu13==3.4.5" in why, why
 
 
 @pytest.mark.skipif(not nvcc_present(), reason="no nvcc on this machine: the GPU executor is not built here")

@@ -149,3 +149,36 @@ def test_reduce_into_several_destinations(count):
     want = np.arange(count, dtype=np.float32) + np.float32(0.5)
     for o in outs + [b]:
         assert o.tobytes() == want.tobytes()
+
+
+def _ll_reference(payload: bytes, flag: int) -> list:
+    """The LL packets of protocol/ll.h by their definition: packet i carries payload bytes
+    [4i, 4i + 4), zero-padded, little-endian, under the 32-bit flag; at least one packet."""
+    n = max(1, (len(payload) + 3) // 4)
+    padded = payload + bytes(4 * n - len(payload))
+    return [(flag << 32) | int.from_bytes(padded[4 * i:4 * i + 4], "little") for i in range(n)]
+
+
+@pytest.mark.parametrize("misalign", [0, 1, 4, 8, 12])
+def test_ll_vector_packing_matches_packet_definition(misalign):
+    """The quad (16-byte) packing and unpacking the GPU kernel uses give the packets and bytes of
+    the packet-by-packet definition, for whole quads, partial quads, tails and unaligned buffers;
+    unpacking writes no byte past the payload."""
+    rng = np.random.default_rng(misalign)
+    flag = 0x8001BEEF
+    for nbytes in list(range(0, 70)) + [255, 256, 257, 4096, 4099]:
+        raw = np.zeros(nbytes + 32 + 16, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 16 + misalign  # payload at a chosen distance from 16-byte alignment
+        payload = raw[start:start + nbytes]
+        payload[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        want = _ll_reference(payload.tobytes(), flag)
+        packets = np.full(len(want) + 4, 0x5A5A5A5A5A5A5A5A, dtype=np.uint64)  # guard past the end
+        n = _C.ll_pack_quads(payload.ctypes.data, nbytes, flag, packets.ctypes.data)
+        assert n == len(want)
+        assert [int(p) for p in packets[:n]] == want, nbytes
+        assert all(int(p) == 0x5A5A5A5A5A5A5A5A for p in packets[n:]), f"{nbytes}: packed past the last packet"
+        out_raw = np.full(nbytes + 32 + 16, 0xAB, dtype=np.uint8)
+        o = (-out_raw.ctypes.data) % 16 + (misalign * 3) % 16
+        _C.ll_unpack_quads(packets.ctypes.data, nbytes, out_raw[o:].ctypes.data)
+        assert out_raw[o:o + nbytes].tobytes() == payload.tobytes(), nbytes
+        assert (out_raw[:o] == 0xAB).all() and (out_raw[o + nbytes:] == 0xAB).all(), f"{nbytes}: wrote outside"

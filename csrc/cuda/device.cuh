@@ -31,7 +31,9 @@ constexpr ProtocolErrorKindCode kTimeoutCode = 1, kMismatchCode = 2, kPeerAbortC
 
 // NOTE [gpu deadlines]: every wait polls with %globaltimer (nanoseconds, not clock cycles) against
 // the communicator's timeout, and checks this rank's abort cell. On expiry, mismatch or abort the
-// block records what happened in host-mapped memory (first failure wins), stores an abort record
+// block claims the rank's failure in device memory (DeviceState::err_claim, atomicCAS: atomic
+// among the blocks of this GPU, which host-mapped memory is not), writes the record to
+// host-mapped memory (first failure wins), stores an abort record
 // into every rank's abort cell (local peers by load/store, remote ones by an NVSHMEM signal), and
 // returns: the kernel ends, nothing continues with wrong data, and the host raises at its next
 // call or check(). Release builds keep all of this.
@@ -51,6 +53,8 @@ struct ErrorRecord {
 struct DeviceState {
   unsigned long long epoch;
   unsigned int done;  // blocks of the current kernel that finished
+  unsigned int pad;
+  unsigned long long err_claim;  // 0, or the kind of this rank's first failure (never reset)
 };
 
 struct KernelParams {
@@ -93,6 +97,22 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+// Two packets in one 16-byte access (p 16-byte aligned); each 8-byte half is single-copy atomic.
+__device__ __forceinline__ void st_relaxed_sys_v2(uint64_t* p, uint64_t a, uint64_t b) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ void ld_relaxed_sys_v2(const uint64_t* p, uint64_t& a, uint64_t& b) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+// Packets [0, m) of a quad at p: two 16-byte stores where p is aligned and the quad whole.
+__device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQuad], size_t m) {
+  if (m == kLLQuad && (reinterpret_cast<size_t>(p) & 15) == 0) {
+    st_relaxed_sys_v2(p, pk[0], pk[1]);
+    st_relaxed_sys_v2(p + 2, pk[2], pk[3]);
+    return;
+  }
+  for (size_t k = 0; k < m; ++k) st_relaxed_sys(p + k, pk[k]);
+}
 
 // Per-block workspace of protocol/round.h, in shared memory.
 struct SharedWs {
@@ -113,6 +133,10 @@ template <typename T, typename Op>
 struct GpuTransport {
   const KernelParams& kp;  // the __grid_constant__ kernel parameter: no per-thread copy
   SharedWs& sh;
+  // Whether the block may have touched global memory since the last signal's fence. Every thread
+  // of the block makes the same sequence of transport calls, so every thread's copy holds the same
+  // value, and a __syncthreads guarded by it is reached by all or none.
+  bool dirty = true;
 
   static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
 
@@ -121,21 +145,30 @@ struct GpuTransport {
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ void sync() const { __syncthreads(); }
 
+  // round.h signals the G-1 local peers back to back: the first signal waits for the block and
+  // fences once, the others are release stores alone (nothing was written in between).
   __device__ void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
-    __syncthreads();  // the block's writes of this phase are done
+    if (dirty) {
+      __syncthreads();  // the block's writes of this phase are done
+      if (threadIdx.x == 0) __threadfence_system();
+      dirty = false;
+    }
     if (threadIdx.x == 0) {
       uint64_t* c = reinterpret_cast<uint64_t*>(base(rank) + cell);
-      __threadfence_system();
       st_relaxed_sys(c + 1, aux0);
       st_relaxed_sys(c + 2, aux1);
       st_release_sys(c, word);
     }
   }
 
-  // Leader only: the first failure of this rank wins the record; `published` is set last.
+  // Leader only: the first failure of this rank wins the record. The claim is an atomicCAS in
+  // device memory (atomic among this GPU's blocks); the winner alone writes the host-mapped
+  // record: `code` first, the fields, then `published`.
   __device__ void record(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
                          int origin) {
-    if (atomicCAS(&kp.err->code, 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
+    if (atomicCAS(&kp.state->err_claim, 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
+      volatile unsigned long long* code = &kp.err->code;
+      *code = static_cast<unsigned long long>(kind);
       kp.err->phase = static_cast<uint32_t>(phase);
       kp.err->peer = peer;
       kp.err->step = step;
@@ -143,7 +176,7 @@ struct GpuTransport {
       kp.err->epoch = epoch;
       kp.err->observed = observed;
       __threadfence_system();
-      atomicExch(&kp.err->published, 1ull);
+      *reinterpret_cast<volatile unsigned long long*>(&kp.err->published) = 1ull;
     }
   }
 
@@ -180,27 +213,37 @@ struct GpuTransport {
     return true;
   }
 
+  // Spins first (a flag that is about to arrive costs one poll), checking the deadline and the
+  // abort cell every 16 polls; after kSpins polls it sleeps between polls, 32 ns doubling to a cap
+  // of 128 ns (a sleeping waiter sees a flag at most ~128 ns late).
   __device__ bool wait(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, uint64_t* aux0,
                        uint64_t* aux1) {
+    constexpr unsigned kSpins = 256, kMaxBackoffNs = 128;
+    dirty = true;
     if (threadIdx.x == 0) {
       uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
       const uint64_t target = flag_word(e, 0);
       const uint64_t start = globaltimer();
       uint64_t v = ld_acquire_sys(c);
       int ok = 1;
-      unsigned backoff = 32;
+      unsigned backoff = 32, polls = 0;
       while (v < target) {
-        if (aborted(phase, step, peer, e)) {
-          ok = 0;
-          break;
+        ++polls;
+        if (polls >= kSpins || (polls & 15) == 0) {
+          if (aborted(phase, step, peer, e)) {
+            ok = 0;
+            break;
+          }
+          if (globaltimer() - start > kp.timeout_ns) {
+            fail(kTimeoutCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+            ok = 0;
+            break;
+          }
         }
-        if (globaltimer() - start > kp.timeout_ns) {
-          fail(kTimeoutCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
-          ok = 0;
-          break;
+        if (polls >= kSpins) {
+          __nanosleep(backoff);
+          if (backoff < kMaxBackoffNs) backoff *= 2;
         }
-        __nanosleep(backoff);
-        if (backoff < 1024) backoff *= 2;
         v = ld_acquire_sys(c);
       }
       if (ok && flag_epoch(v) != e) {
@@ -229,6 +272,7 @@ struct GpuTransport {
   }
 
   __device__ bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
+    dirty = true;
     __syncthreads();
     if (threadIdx.x == 0) __threadfence();
     __syncthreads();
@@ -238,20 +282,24 @@ struct GpuTransport {
   }
 
   __device__ bool put_ll(int rank, size_t dst_off, size_t out_off, const char* src, size_t bytes, uint32_t flag) {
+    dirty = true;
     __syncthreads();
     if (threadIdx.x == 0) __threadfence_system();  // my earlier zeroing of LL zones is ordered before
     __syncthreads();
     const size_t n = ll_packets(bytes);
+    const size_t nq = ll_quads(bytes);
     uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(kp.my + dst_off, rank));
-    if (direct != nullptr) {
-      // Load/store reachable (NVLink, or a PE on this GPU): 8-byte stores arrive whole.
-      for (size_t i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys(direct + i, ll_make_packet(src, bytes, i, flag));
-      __syncthreads();
-      return true;
+    // One quad (4 packets: a 16-byte payload load, two 16-byte stores) per thread and turn.
+    uint64_t* to = direct != nullptr ? direct : reinterpret_cast<uint64_t*>(kp.my + out_off);
+    for (size_t q = threadIdx.x; q < nq; q += blockDim.x) {
+      uint64_t pk[kLLQuad];
+      ll_make_quad(src, bytes, q, flag, pk);
+      // Load/store reachable (NVLink, or a PE on this GPU): each 8-byte packet arrives whole.
+      st_quad(to + q * kLLQuad, pk, ll_quad_size(bytes, q));
     }
-    uint64_t* out = reinterpret_cast<uint64_t*>(kp.my + out_off);
-    for (size_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = ll_make_packet(src, bytes, i, flag);
     __syncthreads();
+    if (direct != nullptr) return true;
+    uint64_t* out = to;
     nvshmemx_putmem_nbi_block(kp.my + dst_off, out, n * 8, rank);
     return true;
   }
@@ -259,6 +307,7 @@ struct GpuTransport {
   // Every thread polls its own packets. The first failure a thread sees claims sh.ok (1 -> code,
   // compare-and-swap, so it is never overwritten); the others stop as soon as sh.ok is not 1.
   __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
+    dirty = true;
     constexpr int kTimeout = 0, kMismatch = -1, kAborted = -2;
     const uint32_t flag = ll_flag(e, sig);
     const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
@@ -303,22 +352,35 @@ struct GpuTransport {
   }
 
   __device__ void ll_unpack(char* dst, size_t off, size_t bytes) {
-    uint64_t* pk = reinterpret_cast<uint64_t*>(kp.my + off);
-    const size_t n = ll_packets(bytes);
-    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
-      ll_store_payload(dst, bytes, i, ld_relaxed_sys(pk + i));
-      st_relaxed_sys(pk + i, 0);  // NOTE [LL zones]
+    dirty = true;
+    uint64_t* zone = reinterpret_cast<uint64_t*>(kp.my + off);
+    const size_t nq = ll_quads(bytes);
+    for (size_t q = threadIdx.x; q < nq; q += blockDim.x) {
+      uint64_t* p = zone + q * kLLQuad;
+      const size_t m = ll_quad_size(bytes, q);
+      uint64_t pk[kLLQuad] = {0, 0, 0, 0};
+      if (m == kLLQuad && (reinterpret_cast<size_t>(p) & 15) == 0) {
+        ld_relaxed_sys_v2(p, pk[0], pk[1]);
+        ld_relaxed_sys_v2(p + 2, pk[2], pk[3]);
+      } else {
+        for (size_t k = 0; k < m; ++k) pk[k] = ld_relaxed_sys(p + k);
+      }
+      ll_store_quad(dst, bytes, q, pk);
+      const uint64_t zero[kLLQuad] = {0, 0, 0, 0};
+      st_quad(p, zero, m);  // NOTE [LL zones]
     }
     __syncthreads();
   }
 
   __device__ void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) {
+    dirty = true;
     reduce_slice<kVec>(GroupView{static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)},
                        reinterpret_cast<T* const*>(dst), nd, reinterpret_cast<const T* const*>(src), ns, n, Op{}, sc);
     __syncthreads();
   }
 
   __device__ void copy(char* dst, const char* src, size_t bytes) {
+    dirty = true;
     copy_slice(GroupView{static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)}, dst, src, bytes);
     __syncthreads();
   }

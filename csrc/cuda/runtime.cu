@@ -133,24 +133,32 @@ struct GpuExecutor::Impl {
   ErrorRecord* err_dev = nullptr;
   std::string failure;
   bool closed = false;
-  // Calls of one communicator must run one after the other (they share the device epoch): a
-  // call on another stream than the last one first waits for the last launch.
+  // Calls of one communicator must run one after the other (they share the device epoch). An
+  // eager launch waits for the last eager launch (`last_launch`, where its stream differs) and for
+  // the last graph replay (`last_replay`, once a call was captured), then records `last_launch`.
+  // A captured launch becomes, at every replay, a wait for `last_launch` and a record of
+  // `last_replay` (external event nodes: cudaEventWaitExternal / cudaEventRecordExternal), so a
+  // replay on one stream and an eager call on another run in the order the host issued them.
+  // Two graphs replayed on two streams are not ordered with each other: replay them on one stream.
   cudaEvent_t last_launch = nullptr;
+  cudaEvent_t last_replay = nullptr;
   cudaStream_t last_stream = nullptr;
   bool launched = false;
+  bool captured = false;  // a call was captured: a replay may run at any time on any stream
 
   void init_nvshmem(const std::string& uid);
   void raise_recorded();
 };
 
 void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
-  // The device library we were linked with must not be newer than the host library loaded now.
+  // The host library loaded now must be the one we were built against (same major.minor; nvrar/_gpu.py
+  // refuses another at load time already, this is the last line before nvshmemi_init_thread).
   int major = 0, minor = 0, patch = 0;
   nvshmemx_vendor_get_version_info(&major, &minor, &patch);
-  NVRAR_CHECK(major == NVSHMEM_VENDOR_MAJOR_VERSION && minor >= NVSHMEM_VENDOR_MINOR_VERSION,
+  NVRAR_CHECK(major == NVSHMEM_VENDOR_MAJOR_VERSION && minor == NVSHMEM_VENDOR_MINOR_VERSION,
               "nvrar was built against NVSHMEM ", nvshmem_header_version(), " but NVSHMEM ",
-              nvshmem_library_version(), " is loaded; install nvidia-nvshmem-cu13>=", nvshmem_header_version(),
-              " (same major version)");
+              nvshmem_library_version(), " is loaded; install nvidia-nvshmem-cu13==", nvshmem_header_version(),
+              " or rebuild nvrar against the version installed");
   NVRAR_CHECK(uid.size() == sizeof(nvshmemx_uniqueid_t), "unique id of ", uid.size(), " bytes, expected ",
               sizeof(nvshmemx_uniqueid_t));
   // A current CUDA context first: without one NVSHMEM only bootstraps and exits the process on a
@@ -226,6 +234,7 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   NVRAR_CHECK(limit >= 32, "cannot query the all-reduce kernel's launch limits on this device");
   I.cfg.threads = std::min(I.cfg.threads, std::min(limit, kMaxThreads)) / 32 * 32;
   NVRAR_CUDA_CHECK(cudaEventCreateWithFlags(&I.last_launch, cudaEventDisableTiming));
+  NVRAR_CUDA_CHECK(cudaEventCreateWithFlags(&I.last_replay, cudaEventDisableTiming));
   NVRAR_CUDA_CHECK(cudaDeviceSynchronize());
   nvshmem_barrier_all();  // every segment is zeroed before anyone signals into it
 }
@@ -252,6 +261,7 @@ void GpuExecutor::close() {
   if (I.state != nullptr) cudaFree(I.state);
   if (I.err_host != nullptr) cudaFreeHost(I.err_host);
   if (I.last_launch != nullptr) cudaEventDestroy(I.last_launch);
+  if (I.last_replay != nullptr) cudaEventDestroy(I.last_replay);
   I.segment = nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   if (--g_users == 0 && g_registered) {
@@ -365,12 +375,23 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   NVRAR_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
   const bool eager = capturing == cudaStreamCaptureStatusNone;
-  if (eager && I.launched && s != I.last_stream) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_launch, 0));
+  NVRAR_CHECK(eager || capturing == cudaStreamCaptureStatusActive,
+              "all_reduce: the stream's graph capture was invalidated (an earlier operation on it failed)");
+  if (eager) {
+    if (I.launched && s != I.last_stream) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_launch, 0));
+    if (I.captured) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_replay, 0));
+  } else {
+    // At each replay: wait for the eager launch recorded last before that replay.
+    if (I.launched) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_launch, cudaEventWaitExternal));
+  }
   NVRAR_CUDA_CHECK(launch_allreduce(kp, dtype, op, B, I.cfg.threads, s));
   if (eager) {
     NVRAR_CUDA_CHECK(cudaEventRecord(I.last_launch, s));
     I.last_stream = s;
     I.launched = true;
+  } else {
+    NVRAR_CUDA_CHECK(cudaEventRecordWithFlags(I.last_replay, s, cudaEventRecordExternal));
+    I.captured = true;
   }
 }
 

@@ -70,18 +70,32 @@ NVRAR_HD void reduce_vec(T* const* dst, int ndst, const T* const* src, int nsrc,
   const size_t m = kFull ? static_cast<size_t>(V) : len;
 #if NVRAR_ON_DEVICE
   if (kFull) {
-    T tile[V];
-    load_tile<V>(tile, src[0] + off);
-    for (int w = 0; w < V; ++w) acc[w] = load_acc(tile[w]);
-    for (int s = 1; s < nsrc; ++s) {
-      load_tile<V>(tile, src[s] + off);
-      for (int w = 0; w < V; ++w) acc[w] = op(acc[w], load_acc(tile[w]));
+    // All loads of a batch of up to kBatch sources are issued before any is combined (one memory
+    // latency per batch instead of one per source); the combine stays in canonical order
+    // 0..nsrc-1, so the bits are those of the host path below.
+    constexpr int kBatch = 8;
+    T tile[kBatch][V];
+    for (int s0 = 0; s0 < nsrc; s0 += kBatch) {
+      const int nb = nsrc - s0 < kBatch ? nsrc - s0 : kBatch;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k)
+        if (k < nb) load_tile<V>(tile[k], src[s0 + k] + off);
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (k >= nb) break;
+        if (s0 + k == 0) {
+          for (int w = 0; w < V; ++w) acc[w] = load_acc(tile[k][w]);
+        } else {
+          for (int w = 0; w < V; ++w) acc[w] = op(acc[w], load_acc(tile[k][w]));
+        }
+      }
     }
     if (sc.active()) {
       for (int w = 0; w < V; ++w) acc[w] = sc.apply(acc[w]);
     }
-    for (int w = 0; w < V; ++w) tile[w] = store_acc<T>(acc[w]);
-    for (int d = 0; d < ndst; ++d) store_tile<V>(dst[d] + off, tile);
+    T out[V];
+    for (int w = 0; w < V; ++w) out[w] = store_acc<T>(acc[w]);
+    for (int d = 0; d < ndst; ++d) store_tile<V>(dst[d] + off, out);
     return;
   }
 #endif

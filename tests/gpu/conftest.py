@@ -1,5 +1,6 @@
 """tests/gpu needs a CUDA device and a build with the GPU executor; without them every test here
-is skipped, with the reason."""
+is skipped, with the reason (an error instead where NVRAR_GPU_REQUIRED=1, as scripts/gpu_check.sh
+sets it)."""
 
 import os
 
@@ -25,6 +26,9 @@ def _why_not() -> str:
 
 def pytest_collection_modifyitems(config, items):
     why = _why_not()
+    if why and os.environ.get("NVRAR_GPU_REQUIRED") == "1":
+        # scripts/gpu_check.sh: on the GPU machine a skipped test would read as a pass
+        raise pytest.UsageError(f"NVRAR_GPU_REQUIRED=1 but tests/gpu cannot run: {why}")
     if why:
         skip = pytest.mark.skip(reason=why)
         for item in items:

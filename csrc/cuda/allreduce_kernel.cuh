@@ -1,0 +1,69 @@
+// The fused NVRAR kernel: one launch per all_reduce call (instantiated once per element type and
+// reduction by allreduce_inst.cu, one translation unit each, compiled in parallel). Block b runs slice b of every chunk
+// through protocol/round.h with the NVSHMEM transport (device.cuh): stage-in, intra-node
+// reduce-scatter over NVLink peer pointers (pushing finished shards into peers' symmetric
+// outputs), inter-node recursive doubling with put-with-signal or LL packets (any node count:
+// fold-in/fold-out), all-gather. Blocks never wait for each other: each slice has its own flags.
+// The epoch lives in device memory; the last block to finish advances it, so CUDA-graph replays
+// stay in step (NOTE [epoch protocol], plan.h; NOTE [gpu deadlines], device.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "device.cuh"
+#include "launch.h"
+
+namespace nvrar {
+namespace gpu {
+
+template <typename T, typename Op>
+__global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const __grid_constant__ KernelParams kp) {
+  __shared__ SharedWs sh;
+  GpuTransport<T, Op> tp{kp, sh};
+  const Workspace ws{sh.srcs, sh.piece_srcs, sh.dsts, sh.piece_dsts, sh.peer_out, sh.src_remote, nullptr};
+  const uint64_t e0 = *reinterpret_cast<volatile unsigned long long*>(&kp.state->epoch);
+  const size_t nchunks = ceil_div(kp.count, kp.chunk_elems);
+  const int B = static_cast<int>(gridDim.x);
+  const int b = static_cast<int>(blockIdx.x);
+  for (size_t c = 0; c < nchunks; ++c) {
+    const uint64_t e = e0 + 1 + c;
+    const size_t first = c * kp.chunk_elems;
+    const size_t n = kp.count - first < kp.chunk_elems ? kp.count - first : kp.chunk_elems;
+    const Range sl = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, b);
+    const size_t at = (first + sl.begin) * static_cast<size_t>(kp.es);
+    const Slice s{kp.in + at, kp.out + at, sl.size(), static_cast<size_t>(kp.es), sl.begin * static_cast<size_t>(kp.es),
+                  b, kp.in_pool, kp.out_pool};
+    const bool ok = kp.variant == static_cast<int>(Variant::kOneShot)
+                        ? one_shot_round(tp, kp.cfg, ws, s, e, kp.sig, kp.sc)
+                        : two_shot_round(tp, kp.cfg, ws, s, e, kp.sig, kp.sc);
+    if (!ok) break;  // recorded in kp.err; the host raises
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned prev = atomicAdd(&kp.state->done, 1u);
+    if (prev == static_cast<unsigned>(B) - 1) {  // the last block of this launch
+      kp.state->done = 0;
+      kp.state->epoch = e0 + nchunks;
+      __threadfence();
+    }
+  }
+}
+
+template <typename T, typename Op>
+cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cudaStream_t stream) {
+  nvrar_allreduce_kernel<T, Op><<<blocks, threads, 0, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+template <typename T, typename Op>
+int max_threads_instance() {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, nvrar_allreduce_kernel<T, Op>) != cudaSuccess) return 0;
+  return a.maxThreadsPerBlock;
+}
+
+}  // namespace gpu
+}  // namespace nvrar
