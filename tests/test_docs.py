@@ -1,5 +1,6 @@
 """The documentation matches the code: the README's Quick start has exactly two command blocks,
-documents every environment variable nvrar reads, and .ci/run runs the README's test command."""
+docs/configuration.md documents every environment variable nvrar reads, every relative link of the
+README and docs/ resolves, and .ci/run runs the README's test command."""
 
 import os
 import re
@@ -33,13 +34,18 @@ def build_variables():
     return found
 
 
+def configuration():
+    with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
+        return f.read()
+
+
 def test_every_environment_variable_is_documented():
-    text = readme()
+    text = configuration()
     for name in set(env.VARIABLES) | build_variables():
-        assert f"`{name}`" in text, f"{name} is read by nvrar but not in the README"
+        assert f"`{name}`" in text, f"{name} is read by nvrar but not in docs/configuration.md"
     documented = set(re.findall(r"`(NVRAR_[A-Z_]+)`", text))
     known = set(env.VARIABLES) | build_variables()
-    assert documented <= known, f"README documents unknown variables {documented - known}"
+    assert documented <= known, f"docs/configuration.md documents unknown variables {documented - known}"
 
 
 def test_every_variable_read_in_the_code_is_registered():
@@ -57,3 +63,20 @@ def test_ci_runs_the_readme_test_command():
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
     assert "## Quick start" in ci and "blocks[1]" in ci
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and of docs/ names a file that exists."""
+    pages = [os.path.join(ROOT, "README.md")]
+    for base, _, files in os.walk(os.path.join(ROOT, "docs")):
+        pages += [os.path.join(base, f) for f in files if f.endswith(".md")]
+    broken = []
+    for page in pages:
+        with open(page) as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            if not os.path.exists(os.path.normpath(os.path.join(os.path.dirname(page), target))):
+                broken.append(f"{os.path.relpath(page, ROOT)} -> {target}")
+    assert not broken, broken
