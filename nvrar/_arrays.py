@@ -35,7 +35,7 @@ _NUMPY_CODES: Dict[Any, int] = {np.dtype(n): c for n, c in DTYPE_CODES.items() i
 _torch_codes: Optional[Dict[Any, int]] = None
 
 
-def torch_tensor_type() -> Optional[type]:
+def torch_tensor_type() -> Any:
     """torch.Tensor if torch is already imported (never imports torch itself)."""
     torch = sys.modules.get("torch")
     return getattr(torch, "Tensor", None) if torch is not None else None

@@ -59,7 +59,7 @@ def load() -> Tuple[Any, Optional[str]]:
         _error = (f"the GPU executor module does not load: {exc} (NVSHMEM host library loaded: "
                   f"{loaded or 'none'}; pip install nvidia-nvshmem-cu13)")
         return None, _error
-    built_with = _cuda.build_info()["nvshmem_version"]
+    built_with = str(_cuda.build_info()["nvshmem_version"])
     loaded = _cuda.nvshmem_library_version()
     why = version_mismatch(built_with, loaded)
     if why:
