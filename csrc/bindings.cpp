@@ -49,6 +49,15 @@ bool run_signal_handlers(void* ctx, std::string* why) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "nvrar native core: the CPU executor and the plan (see nvrar/_C.pyi)";
   register_error_translator();
+  // The codes of csrc/protocol/types.h and plan.h, for Python to derive its tables from (one definition).
+  m.attr("DTYPE_CODES") = py::dict(py::arg("float32") = static_cast<int>(DType::kFloat32), py::arg("float16") = static_cast<int>(DType::kFloat16), py::arg("bfloat16") = static_cast<int>(DType::kBFloat16), py::arg("int32") = static_cast<int>(DType::kInt32));
+  m.attr("OP_CODES") = py::dict(py::arg("sum") = static_cast<int>(RedOp::kSum), py::arg("max") = static_cast<int>(RedOp::kMax), py::arg("min") = static_cast<int>(RedOp::kMin), py::arg("avg") = static_cast<int>(RedOp::kAvg));
+  m.attr("ALGORITHM_CODES") = py::dict(py::arg("auto") = static_cast<int>(Variant::kAuto), py::arg("two-shot") = static_cast<int>(Variant::kTwoShot), py::arg("one-shot") = static_cast<int>(Variant::kOneShot));
+  {
+    py::dict sizes;
+    for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32}) sizes[py::int_(static_cast<int>(t))] = dtype_size(t);
+    m.attr("ELEMENT_SIZES") = sizes;
+  }
   g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
 
   py::class_<CpuExecutor>(m, "CpuExecutor")

@@ -1,13 +1,19 @@
 """nvrar._C: the CPU executor and the plan (csrc/bindings.cpp). Raw addresses, counts and the
-dtype/op/variant codes of nvrar._arrays and nvrar.selector; errors are nvrar.errors types."""
+dtype/op/algorithm codes (DTYPE_CODES, OP_CODES, ALGORITHM_CODES); errors are nvrar.errors types."""
 
 from typing import Dict, List, Tuple
 
+# The codes of csrc/protocol/types.h and plan.h (nvrar/_arrays.py and selector.py derive from them).
+DTYPE_CODES: Dict[str, int]
+OP_CODES: Dict[str, int]
+ALGORITHM_CODES: Dict[str, int]
+ELEMENT_SIZES: Dict[int, int]
+
 class CpuExecutor:
     def __init__(self, rank: int, world: int, ranks_per_node: int, max_bytes: int, pool_bytes: int,
-                 oneshot_max_bytes: int, timeout_s: float, jitter_us: float = ..., jitter_seed: int = ...,
-                 cma: bool = ..., cma_min_bytes: int = ..., cma_piece_bytes: int = ...,
-                 ll_max_bytes: int = ..., *, secret: bytes) -> None: ...
+                 oneshot_max_bytes: int, timeout_s: float, jitter_us: float, jitter_seed: int,
+                 cma: bool, cma_min_bytes: int, cma_piece_bytes: int,
+                 ll_max_bytes: int, *, secret: bytes) -> None: ...
     @property
     def segment_name(self) -> str: ...
     def attach(self, names: List[str]) -> None: ...

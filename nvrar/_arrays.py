@@ -1,6 +1,8 @@
-"""Array adaptation: numpy arrays and torch tensors in, (pointer, count, dtype code) out.
+"""Array adaptation: numpy arrays, torch tensors and cupy arrays in, (pointer, count, dtype code)
+out; the checks of out=; the dtype of empty().
 
-The codes match csrc/protocol/types.h (DType, RedOp) and never change.
+The dtype and op codes are the native module's (csrc/protocol/types.h, exported by the bindings
+as nvrar._C.DTYPE_CODES / OP_CODES / ELEMENT_SIZES): every table here is derived from them.
 """
 
 from __future__ import annotations
@@ -10,40 +12,30 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from . import _C
+from ._C import buffer_address as _buffer_address
+
 __all__ = [
-    "DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_BFLOAT16", "DTYPE_INT32",
-    "OP_SUM", "OP_MAX", "OP_MIN", "OP_AVG",
-    "op_code", "numpy_dtype_code", "torch_dtype_code", "torch_tensor_type", "SUPPORTED", "is_cupy", "cupy_info",
-    "stream_handle",
+    "DTYPE_CODES", "DTYPE_NAMES", "OP_CODES", "ELEMENT_SIZE", "SUPPORTED",
+    "op_code", "numpy_dtype_code", "torch_dtype_code", "torch_tensor_type", "is_cupy", "cupy_info",
+    "stream_handle", "resolve_dtype", "check_out_numpy", "check_out_torch", "check_out_cupy", "check_overlap",
 ]
 
-DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_INT32 = 0, 1, 2, 3
-OP_SUM, OP_MAX, OP_MIN, OP_AVG = 0, 1, 2, 3
+DTYPE_CODES: Dict[str, int] = dict(_C.DTYPE_CODES)  # "float32" -> code
+DTYPE_NAMES: Dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
+OP_CODES: Dict[str, int] = dict(_C.OP_CODES)  # "sum" -> code
+ELEMENT_SIZE: Dict[int, int] = dict(_C.ELEMENT_SIZES)  # code -> bytes
 
-SUPPORTED = "float32, float16, bfloat16 (torch), int32"
-OP_NAMES = {OP_SUM: "sum", OP_MAX: "max", OP_MIN: "min", OP_AVG: "avg"}
-_OP_BY_NAME: Dict[str, int] = {"sum": OP_SUM, "max": OP_MAX, "min": OP_MIN, "avg": OP_AVG, "mean": OP_AVG}
+_NUMPY_LESS = ("bfloat16",)  # dtypes numpy does not have (torch only)
+SUPPORTED = ", ".join(f"{n} (torch)" if n in _NUMPY_LESS else n for n in DTYPE_CODES)
+_OP_BY_NAME: Dict[str, int] = {**OP_CODES, "mean": OP_CODES["avg"]}
 
-_NUMPY_CODES: Dict[Any, int] = {
-    np.dtype(np.float32): DTYPE_FLOAT32,
-    np.dtype(np.float16): DTYPE_FLOAT16,
-    np.dtype(np.int32): DTYPE_INT32,
-}
-ELEMENT_SIZE = {DTYPE_FLOAT32: 4, DTYPE_FLOAT16: 2, DTYPE_BFLOAT16: 2, DTYPE_INT32: 4}
-DTYPE_NAMES = {DTYPE_FLOAT32: "float32", DTYPE_FLOAT16: "float16", DTYPE_BFLOAT16: "bfloat16", DTYPE_INT32: "int32"}
+_NUMPY_CODES: Dict[Any, int] = {np.dtype(n): c for n, c in DTYPE_CODES.items() if n not in _NUMPY_LESS}
 
 _torch_codes: Optional[Dict[Any, int]] = None
 
 
-def _buffer_address(x: Any) -> int:
-    from ._C import buffer_address  # bound on first use: importing _arrays needs no native module
-
-    global _buffer_address
-    _buffer_address = buffer_address  # type: ignore[assignment]  # the native function from now on
-    return buffer_address(x)
-
-
-def torch_tensor_type() -> Optional[type]:
+def torch_tensor_type() -> Any:
     """torch.Tensor if torch is already imported (never imports torch itself)."""
     torch = sys.modules.get("torch")
     return getattr(torch, "Tensor", None) if torch is not None else None
@@ -54,12 +46,7 @@ def torch_dtype_code(dtype: Any) -> Optional[int]:
     if _torch_codes is None:
         import torch
 
-        _torch_codes = {
-            torch.float32: DTYPE_FLOAT32,
-            torch.float16: DTYPE_FLOAT16,
-            torch.bfloat16: DTYPE_BFLOAT16,
-            torch.int32: DTYPE_INT32,
-        }
+        _torch_codes = {getattr(torch, n): c for n, c in DTYPE_CODES.items()}
     return _torch_codes.get(dtype)
 
 
@@ -73,12 +60,12 @@ def op_code(op: Any) -> int:
         code = _OP_BY_NAME.get(op.lower())
         if code is not None:
             return code
-        raise ValueError(f"unknown op {op!r}; nvrar supports 'sum', 'max', 'min', 'avg'")
+        raise ValueError(f"unknown op {op!r}; nvrar supports {', '.join(repr(n) for n in OP_CODES)}")
     name = getattr(op, "name", None)  # ReduceOp.RedOpType members
     if name is None and type(op).__name__ == "ReduceOp":  # ReduceOp instances compare to the members
         import torch.distributed as dist
 
-        for member in ("SUM", "MAX", "MIN", "AVG"):
+        for member in (n.upper() for n in OP_CODES):
             if op == getattr(dist.ReduceOp, member):
                 name = member
                 break
@@ -86,7 +73,8 @@ def op_code(op: Any) -> int:
             name = str(op)
     if isinstance(name, str) and name.lower() in _OP_BY_NAME:
         return _OP_BY_NAME[name.lower()]
-    raise ValueError(f"unsupported op {op!r}; nvrar supports sum, max, min, avg (strings or torch.distributed.ReduceOp)")
+    raise ValueError(f"unsupported op {op!r}; nvrar supports {', '.join(OP_CODES)} (strings or "
+                     "torch.distributed.ReduceOp)")
 
 
 def describe_dtype(x: Any) -> str:
@@ -211,3 +199,83 @@ def stream_handle(stream: Any) -> int:
         if isinstance(value, int):
             return value
     raise TypeError(f"stream must be a torch.cuda.Stream, a cupy Stream or an int, got {type(stream).__name__}")
+
+
+# -- out= ----------------------------------------------------------------------------------------
+def check_overlap(ptr: int, optr: int, nbytes: int) -> None:
+    if optr != ptr and optr < ptr + nbytes and ptr < optr + nbytes:
+        raise ValueError("all_reduce: out partially overlaps x; use out=None for in place, or a separate buffer")
+
+
+def check_out_numpy(x: np.ndarray, out: Any, ptr: int, count: int) -> int:
+    """The address of ``out`` for numpy ``x`` (same shape, dtype, kind; writeable; no partial overlap)."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"all_reduce: out must be a numpy.ndarray like x, got {type(out).__name__}")
+    if out.shape != x.shape:
+        raise ValueError(f"all_reduce: out has shape {out.shape} but x has shape {x.shape}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"all_reduce: out has dtype {out.dtype} but x has dtype {x.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("all_reduce: out is read-only")
+    optr, _, _ = numpy_info(out, "out")
+    check_overlap(ptr, optr, count * x.itemsize)
+    return optr
+
+
+def check_out_torch(x: Any, out: Any, ptr: int, count: int, device: str = "cpu", index: int = 0) -> int:
+    """The address of ``out`` for torch tensor ``x`` (same shape, dtype, kind, device; no partial overlap)."""
+    tensor = torch_tensor_type()
+    if tensor is None or not isinstance(out, tensor):
+        raise TypeError(f"all_reduce: out must be a torch.Tensor like x, got {type(out).__name__}")
+    if out.shape != x.shape:
+        raise ValueError(f"all_reduce: out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"all_reduce: out has dtype {out.dtype} but x has dtype {x.dtype}")
+    if device == "cuda":
+        optr, _, _ = torch_info(out, "out", device="cuda", index=index)
+    else:
+        optr, _, _ = torch_info(out, "out", write=True)
+    check_overlap(ptr, optr, count * x.element_size())
+    return optr
+
+
+def check_out_cupy(x: Any, out: Any, ptr: int, count: int, index: int) -> int:
+    if not is_cupy(out) or out.shape != x.shape or out.dtype != x.dtype:
+        raise TypeError("all_reduce: out must be a cupy array of x's shape and dtype")
+    optr, _, _ = cupy_info(out, "out", index)
+    check_overlap(ptr, optr, count * x.itemsize)
+    return optr
+
+
+# -- empty() -------------------------------------------------------------------------------------
+def _is_bfloat16_name(dtype: Any) -> bool:
+    return isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16")
+
+
+def resolve_dtype(dtype: Any) -> Tuple[str, Any, int, int]:
+    """(kind, library dtype, code, itemsize) for empty(): kind "torch" for a torch dtype (or
+    "bfloat16"), else "numpy"."""
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is None and _is_bfloat16_name(dtype):
+        try:
+            import torch as torch_mod  # bfloat16 needs torch
+        except ImportError:
+            torch_mod = None
+    if torch_mod is not None:
+        if _is_bfloat16_name(dtype):
+            dtype = torch_mod.bfloat16
+        if isinstance(dtype, torch_mod.dtype):
+            code = torch_dtype_code(dtype)
+            if code is None:
+                raise TypeError(f"empty: dtype {dtype} is not supported; supported: {SUPPORTED}")
+            return "torch", dtype, code, ELEMENT_SIZE[code]
+    if _is_bfloat16_name(dtype):
+        raise TypeError("empty: bfloat16 needs torch (pip install torch); numpy has no bfloat16")
+    try:
+        npd = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"empty: {dtype!r} is not a dtype; supported: {SUPPORTED}") from None
+    code = numpy_dtype_code(npd)
+    if code is None:
+        raise TypeError(f"empty: dtype {npd} is not supported; supported: {SUPPORTED}")
+    return "numpy", npd, code, npd.itemsize

@@ -12,7 +12,7 @@ import importlib.util
 import os
 from typing import Any, Optional, Tuple
 
-__all__ = ["load", "load_error", "built", "version_mismatch"]
+__all__ = ["load", "built", "version_mismatch"]
 
 _module: Any = None
 _error: Optional[str] = None
@@ -59,7 +59,7 @@ def load() -> Tuple[Any, Optional[str]]:
         _error = (f"the GPU executor module does not load: {exc} (NVSHMEM host library loaded: "
                   f"{loaded or 'none'}; pip install nvidia-nvshmem-cu13)")
         return None, _error
-    built_with = _cuda.build_info()["nvshmem_version"]
+    built_with = str(_cuda.build_info()["nvshmem_version"])
     loaded = _cuda.nvshmem_library_version()
     why = version_mismatch(built_with, loaded)
     if why:
@@ -93,15 +93,12 @@ def version_mismatch(built_with: str, loaded: str) -> Optional[str]:
     than left to fail inside nvshmem_init."""
     try:
         b = tuple(int(p) for p in built_with.split("."))
-        l = tuple(int(p) for p in loaded.split("."))
+        loaded_t = tuple(int(p) for p in loaded.split("."))
     except (AttributeError, ValueError):
         return f"cannot compare NVSHMEM versions: built against {built_with!r}, loaded {loaded!r}"
-    if b[:2] == l[:2]:
+    if b[:2] == loaded_t[:2]:
         return None
     return (f"nvrar was built against NVSHMEM {built_with} but NVSHMEM {loaded} is loaded: install the "
             f"matching host library (pip install nvidia-nvshmem-cu13=={built_with}) or rebuild nvrar "
             f"against {loaded} (pip install --no-build-isolation ., with that version installed)")
 
-
-def load_error() -> Optional[str]:
-    return load()[1]

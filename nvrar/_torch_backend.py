@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceCoalescedOptions, AllreduceOptions, PrefixStore
 
-from . import selector
+from . import selector, settings
 from ._torch_state import GroupState, StoreBootstrap, Work, groups, lock, op_name, state_for_group
 
 NAME = "nvrar"
@@ -53,7 +53,7 @@ class NvrarProcessGroup(dist.ProcessGroup):
     is the one nt.all_reduce uses for that group).
     """
 
-    def __init__(self, rank: int, size: int, natives: Dict[str, Any], *, store: Any = None, timeout: float = 60.0,
+    def __init__(self, rank: int, size: int, natives: Dict[str, Any], *, store: Any = None, timeout: float = settings.TIMEOUT_S,
                  wrapped: Any = None, label: str = "") -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) constructor has no stub
         self._natives = natives

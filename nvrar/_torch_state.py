@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import env, selector
+from . import _arrays, env, selector, settings
 from .bootstrap import Bootstrap, TorchBootstrap
 from .communicator import Communicator
 from .errors import NvrarError, NvrarTimeoutError
@@ -20,7 +20,7 @@ from .errors import NvrarError, NvrarTimeoutError
 # Every torch.distributed.ReduceOp by its canonical name; nvrar serves sum/max/min/avg, the group's
 # own backend the rest.
 REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32"}
+DTYPE_NAMES = {getattr(torch, name): name for name in _arrays.DTYPE_CODES}  # torch dtype -> nvrar name
 
 
 def op_name(op: Any) -> str:
@@ -44,7 +44,7 @@ def op_name(op: Any) -> str:
 
 def default_timeout() -> float:
     value = env.get_float("NVRAR_TIMEOUT_S")
-    return 60.0 if value is None else value
+    return settings.TIMEOUT_S if value is None else value
 
 
 class Work(dist.Work):
@@ -190,19 +190,19 @@ class GroupState:
                            tensor.numel() * tensor.element_size())
 
     def run(self, tensor: torch.Tensor, op: str, choice: str) -> Work:
-        """Reduce ``tensor`` in place with nvrar (``choice``: a variant) and count it. A failure
+        """Reduce ``tensor`` in place with nvrar (``choice``: an algorithm) and count it. A failure
         is kept in the returned Work (raised by its wait())."""
         self.counts["nvrar"] += 1
-        algo = None if choice == "auto" else choice
+        algorithm = None if choice == "auto" else choice
         exc: Optional[BaseException] = None
         try:
             if self.comm is None:
                 raise NvrarError(f"nvrar.torch: no communicator for {self.label} on {self.device}")
             if tensor.is_contiguous():
-                self.comm.all_reduce(tensor, op, algo=algo)
+                self.comm.all_reduce(tensor, op, algorithm=algorithm)
             else:  # same decision on every rank; only the memory layout differs
                 tmp = tensor.contiguous()
-                self.comm.all_reduce(tmp, op, algo=algo)
+                self.comm.all_reduce(tmp, op, algorithm=algorithm)
                 tensor.copy_(tmp)
         except Exception as e:  # noqa: BLE001 - surfaces from Work.wait()
             exc = e

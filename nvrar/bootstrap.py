@@ -21,6 +21,7 @@ import time
 from typing import Any, List, Optional
 
 from .errors import NvrarError, NvrarTimeoutError
+from .settings import TIMEOUT_S
 
 __all__ = ["Bootstrap", "SingleBootstrap", "create", "launcher_local_size", "mpi_launched"]
 
@@ -116,7 +117,7 @@ class Bootstrap:
 class SingleBootstrap(Bootstrap):
     kind = "single"
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = TIMEOUT_S) -> None:
         super().__init__(0, 1, timeout)
 
     def allgather(self, value: bytes) -> List[bytes]:

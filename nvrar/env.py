@@ -1,7 +1,7 @@
 """Every environment variable nvrar reads, in one place: name, meaning, default.
 
 Constructor arguments take precedence over these variables; the variables take precedence over
-the built-in defaults.
+the built-in defaults, which nvrar.settings defines (the default texts here are derived from them).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
+
+from . import settings as _defaults
 
 __all__ = ["VARIABLES", "EnvVar", "get_float", "get_int", "get_bytes", "get_str", "parse_bytes"]
 
@@ -24,16 +26,16 @@ class EnvVar:
 VARIABLES: Dict[str, EnvVar] = {
     v.name: v
     for v in (
-        EnvVar("NVRAR_TIMEOUT_S", "60", "Deadline of every wait of a collective and of the bootstrap, in seconds."),
+        EnvVar("NVRAR_TIMEOUT_S", f"{_defaults.TIMEOUT_S:g}", "Deadline of every wait of a collective and of the bootstrap, in seconds."),
         EnvVar(
             "NVRAR_MAX_BYTES",
-            "4M (CPU), 16M (GPU)",
+            _defaults.per_device_text(_defaults.MAX_BYTES),
             "Largest chunk one protocol round reduces (the symmetric staging buffer); larger messages "
             "run in chunks. Accepts 64K, 4M, ... Must be equal on every rank.",
         ),
         EnvVar(
             "NVRAR_HEAP_BYTES",
-            "32M (CPU), 64M (GPU)",
+            _defaults.per_device_text(_defaults.HEAP_BYTES),
             "Size of the zero-copy pool that Communicator.empty() allocates from, per rank.",
         ),
         EnvVar(
@@ -46,26 +48,32 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar(
             "NVRAR_ONESHOT_MAX_BYTES",
             "",
-            "Messages up to this size use the one-shot variant (default: the selector's table). "
+            "Messages up to this size use the one-shot algorithm (default: by ranks per node, "
+            "nvrar.settings.Settings.oneshot_max). "
             "Must be equal on every rank.",
         ),
         EnvVar(
+            "NVRAR_ALGORITHM",
+            _defaults.ALGORITHM,
+            "Force an algorithm for every call: auto, one-shot or two-shot.",
+        ),
+        EnvVar(
             "NVRAR_ALGO",
-            "auto",
-            "Force a variant for every call: auto, one-shot or two-shot.",
+            "",
+            "Deprecated spelling of NVRAR_ALGORITHM (read with a DeprecationWarning; NVRAR_ALGORITHM wins).",
         ),
         EnvVar(
             "NVRAR_JITTER_US",
-            "0",
+            f"{_defaults.JITTER_US:g}",
             "Testing: inject random delays of up to this many microseconds before puts and after "
             "signals of the CPU executor, to shake out races in the epoch protocol.",
         ),
         EnvVar(
             "NVRAR_LL_MAX_BYTES",
-            "",
+            _defaults.per_device_text(_defaults.LL_MAX_BYTES),
             "Inter-node shards up to this size go as low-latency packets (flag in every 8-byte word) "
-            "instead of put-with-signal. Default: 32K on GPU; 0 (off) on CPU, where tests turn it on "
-            "to exercise the GPU's LL logic. Must be equal on every rank.",
+            "instead of put-with-signal; 0 is off (the CPU's default, where tests turn it on to exercise "
+            "the GPU's LL logic). Must be equal on every rank.",
         ),
         EnvVar(
             "NVRAR_TUNING_FILE",
@@ -81,19 +89,18 @@ VARIABLES: Dict[str, EnvVar] = {
             "HMAC). Unset: the store serves only this user's processes on this host (socket owner checked). "
             "Needed when ranks on several hosts rendezvous through it.",
         ),
-        EnvVar("NVRAR_JITTER_SEED", "0", "Testing: seed of the jitter generator (mixed with the rank)."),
+        EnvVar("NVRAR_JITTER_SEED", str(_defaults.JITTER_SEED), "Testing: seed of the jitter generator (mixed with the rank)."),
         EnvVar(
             "NVRAR_CMA",
-            "1",
+            str(int(_defaults.CMA)),
             "CPU executor: 1 lets ranks write result shards straight into each other's private output "
             "buffers (process_vm_writev, the single-copy path MPI libraries use) where the OS allows it; "
             "0 always copies through the shared segment.",
         ),
         EnvVar(
             "NVRAR_CMA_MIN_BYTES",
-            "",
-            "CPU executor: smallest shard moved by cross-memory reads and writes (default: the "
-            "selector's value, 8K).",
+            _defaults.size_text(_defaults.CMA_MIN_BYTES),
+            "CPU executor: smallest shard moved by cross-memory reads and writes.",
         ),
     )
 }

@@ -1,137 +1,64 @@
-"""Algorithm selection: the one place that decides which variant serves which message size.
+"""Algorithm selection: who serves an all-reduce (nvrar, with which algorithm, or the group's
+native backend), and the algorithm names and codes.
 
-The CPU executor applies the one-shot threshold chosen here to every call with ``algo="auto"``;
-the decision depends only on values that are identical on every rank (world size, ranks per node,
-message size, the table), so every rank picks the same variant. A mismatch would still be caught:
-the variant is part of the call signature that every flag carries.
+With ``algorithm="auto"`` the executor picks one-shot or two-shot by the one-shot threshold of
+nvrar.settings (Settings.oneshot_max); every decision depends only on values that are identical on
+every rank (world size, ranks per node, message size, the table), so every rank picks alike. A
+mismatch would still be caught: the algorithm is part of the call signature that every flag carries.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
-from . import env
+from . import _C
+from .settings import GPU_NATIVE_ABOVE
 
-__all__ = ["VARIANTS", "NATIVE", "Table", "select", "default_choice", "variant_code", "oneshot_max_bytes",
-           "cma_min_bytes", "cma_piece_bytes",
-           "ll_max_bytes", "gpu_launch"]
+__all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "NATIVE", "Table", "select", "default_choice", "algorithm_code",
+           "algorithm_name"]
 
-# Codes shared with csrc/cpu/executor.h (Variant).
-VARIANTS = {"auto": 0, "two-shot": 1, "one-shot": 2}
+# Algorithm name -> code, as the native module defines them (csrc/protocol/plan.h Variant).
+ALGORITHMS: Dict[str, int] = dict(_C.ALGORITHM_CODES)
+ALGORITHM_NAMES: Dict[int, str] = {code: name for name, code in ALGORITHMS.items()}
 
 
-def variant_code(name: Optional[str]) -> int:
-    """Code of a variant name; None means auto."""
+def algorithm_code(name: Optional[str]) -> int:
+    """Code of an algorithm name ("auto", "one-shot", "two-shot"); None means auto."""
     if name is None:
-        return 0
+        return ALGORITHMS["auto"]
     key = str(name).lower().replace("_", "-")
-    if key not in VARIANTS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(VARIANTS)}")
-    return VARIANTS[key]
+    if key not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[key]
 
 
-# One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
-# G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
-# per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
-# wins up to 4 KB, two-shot from 8 KB on (measured with nvrar-bench --min-bytes 64 --max-bytes 32K
-# --algos one-shot,two-shot, 2 ranks on a 2-core x86 host; that command, or `nvrar tune`, measures
-# another machine). G = 1 has no intra-node
-# phase, so both variants move the same bytes. Larger G: not measured here (more ranks than
-# cores); 16 KB is a guess between the two costs.
-_CPU_ONESHOT_MAX = {1: 1 << 20, 2: 4 << 10}
-_CPU_ONESHOT_MAX_DEFAULT = 16 << 10
-
-
-# GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
-# synchronization. Untuned defaults (no GPU measurement yet; `nvrar tune` writes measured tables):
-# 256 KB up to 4 GPUs per node, 64 KB beyond.
-_GPU_ONESHOT_MAX_SMALL_G, _GPU_ONESHOT_MAX = 256 << 10, 64 << 10
-
-
-def oneshot_max_bytes(device: str, world_size: int, ranks_per_node: int) -> int:
-    """Largest message (bytes) that the auto policy sends through the one-shot variant."""
-    override = env.get_bytes("NVRAR_ONESHOT_MAX_BYTES")
-    if override is not None:
-        return override
-    if device == "cpu":
-        return _CPU_ONESHOT_MAX.get(ranks_per_node, _CPU_ONESHOT_MAX_DEFAULT)
-    return _GPU_ONESHOT_MAX_SMALL_G if ranks_per_node <= 4 else _GPU_ONESHOT_MAX
-
-
-# GPU launch: one CUDA block (one slice, own flags) per 32 KB of message, at most 16 blocks of
-# 512 threads: a block moves 8 KB per pass (16 bytes a thread), so a slice is at most 4 passes;
-# 64 KB runs on 2 blocks, 256 KB and more on 8-16 SMs (one block up to 256 KB left one SM's load
-# and store bandwidth and one thread's sequential loads as the limit). Messages up to 32 KB stay
-# on one block: fewest flags. Unmeasured on a GPU: scripts/gpu_check.sh's sweep is the check.
-_GPU_LAUNCH = {"max_blocks": 16, "threads": 512, "block_bytes": 32 << 10}
-
-
-def gpu_launch(device: str, ranks_per_node: int) -> dict:
-    return dict(_GPU_LAUNCH)
-
-
-# Smallest shard (bytes) that the CPU executor moves by cross-memory reads and writes (a system
-# call each, which pins the pages) instead of staging it through the shared segment. Two-shot,
-# 2 ranks, median us at 8K/16K/32K messages: threshold 4K 3.62/4.11/5.19, 8K 3.14/4.20/5.27,
-# 32K 3.16/4.88/8.10 (NVRAR_CMA_MIN_BYTES=... nvrar-bench --algos two-shot --buffers ordinary).
-_CPU_CMA_MIN = 8 << 10
-
-
-def cma_min_bytes(device: str, ranks_per_node: int) -> int:
-    override = env.get_bytes("NVRAR_CMA_MIN_BYTES")
-    return _CPU_CMA_MIN if override is None else override
-
-
-# Cross-memory transfers are split into pieces of this size (bytes), each fetched, reduced and
-# pushed while it is in cache; whole shards of a few MB would spill a 2 MB L2 cache.
-_CPU_CMA_PIECE = 128 << 10
-
-
-def cma_piece_bytes(device: str, ranks_per_node: int) -> int:
-    return _CPU_CMA_PIECE
-
-
-# Inter-node shards up to this size travel as LL packets (protocol/ll.h): one network latency
-# instead of two (data, then signal), at twice the bytes; above it put-with-signal. GPU: 32 KB, an
-# untuned guess at where doubling the bytes costs more than a network latency (NVSHMEM puts on
-# InfiniBand: ~2-3 us latency, ~45 GB/s: 32 KB more on the wire is ~0.7 us). CPU: off (flags in
-# shared memory cost nothing); tests switch it on to run the GPU's LL logic on the CPU.
-_GPU_LL_MAX = 32 << 10
-
-
-def ll_max_bytes(device: str) -> int:
-    override = env.get_bytes("NVRAR_LL_MAX_BYTES")
-    if override is not None:
-        return override
-    return _GPU_LL_MAX if device == "cuda" else 0
+def algorithm_name(code: int) -> str:
+    return ALGORITHM_NAMES[code]
 
 
 # -- nvrar or the group's native backend ------------------------------------------------------
 
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "int32")
-SUPPORTED_OPS = ("sum", "max", "min", "avg")
+SUPPORTED_DTYPES = tuple(_C.DTYPE_CODES)
+SUPPORTED_OPS = tuple(_C.OP_CODES)
 NATIVE = "native"
 
 # Without a tuning table (nvrar tune): on the CPU nvrar beats gloo at every size measured (8 KB -
-# 16 MB, README "Results on this machine"), so it serves every size. On GPUs the published NVRAR result covers
-# multi-node 128 KB - 2 MB; on one node NCCL's NVLink algorithms are hard to beat, and above a few
-# MB NCCL's ring is bandwidth-optimal: nvrar takes multi-node messages up to 2 MB, NCCL the rest,
-# until `nvrar tune` measures the crossovers of the actual machine.
-_GPU_DEFAULT_MAX_BYTES = 2 << 20
+# 16 MB), so it serves every size. On GPUs: multi-node messages up to settings.GPU_NATIVE_ABOVE,
+# the group's NCCL the rest, until `nvrar tune` measures the crossovers of the actual machine.
 
 
 def default_choice(device: str, world_size: int, ranks_per_node: int, nbytes: int) -> str:
-    """The variant ("auto" lets the executor pick one-shot/two-shot) or "native", without a table."""
+    """The algorithm ("auto" lets the executor pick one-shot/two-shot) or "native", without a table."""
     if device == "cpu":
         return "auto"
-    if world_size // max(1, ranks_per_node) >= 2 and nbytes <= _GPU_DEFAULT_MAX_BYTES:
+    if world_size // max(1, ranks_per_node) >= 2 and nbytes <= GPU_NATIVE_ABOVE:
         return "auto"
     return NATIVE
 
 
 def select(device: str, world_size: int, ranks_per_node: int, dtype: str, op: str, nbytes: int,
            table: Optional["Table"] = None) -> str:
-    """The one decision of who serves an all-reduce: a variant name ("auto", "one-shot",
+    """The one decision of who serves an all-reduce: an algorithm name ("auto", "one-shot",
     "two-shot") or "native" (the process group's own backend: gloo on CPU, NCCL on GPU).
 
     Every argument is identical on every rank of a valid collective call (the table is checked
@@ -162,7 +89,7 @@ class Table:
             limit, choice = b["max_bytes"], b["choice"]
             if limit is not None and (type(limit) is not int or limit < 0):
                 raise ValueError(f"tuning table {source}: max_bytes must be a non-negative int or null, got {limit!r}")
-            if choice != NATIVE and choice not in VARIANTS:
+            if choice != NATIVE and choice not in ALGORITHMS:
                 raise ValueError(f"tuning table {source}: unknown choice {choice!r}")
             self.buckets.append((limit, str(choice)))
         limits = [lim for lim, _ in self.buckets if lim is not None]

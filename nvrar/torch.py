@@ -8,7 +8,7 @@
     torch.ops.nvrar.all_reduce_(t, "sum", "")   # custom ops: torch.compile(fullgraph=True), CUDA graphs
     y = torch.ops.nvrar.all_reduce(t, "sum", "")
 
-Every all-reduce goes through one decision, nvrar.selector.select(): a variant of nvrar, or the
+Every all-reduce goes through one decision, nvrar.selector.select(): an algorithm of nvrar, or the
 group's native backend (gloo on CPU, NCCL on GPU) for what nvrar does not serve better (sizes
 outside the tuned window, unsupported dtypes or ops). The decision depends only on what is
 identical on every rank of a valid call, and the tuning table is checked to be identical on every
@@ -83,7 +83,7 @@ def _native_op(name: str) -> Any:
 
 
 def decide(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> str:
-    """What ``all_reduce(tensor, op, group)`` would run: an nvrar variant or "native".
+    """What ``all_reduce(tensor, op, group)`` would run: an nvrar algorithm or "native".
     Collective the first time a group and device are used (it creates the communicator)."""
     st = _state(_resolve(group), tensor.device.type)
     dtype = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))

@@ -14,7 +14,7 @@ import numpy as np
 
 OPS = ("sum", "max", "min", "avg")
 DEVICE = "cpu"  # "cuda" for a GPU communicator: torch tensors on the current CUDA device
-ALGOS = ("one-shot", "two-shot")
+ALGORITHMS = ("one-shot", "two-shot")
 MODES = ("inplace", "out", "zc_inplace", "zc_out")
 
 
@@ -114,7 +114,7 @@ def _buffer(comm: Any, kind: str, dtype: Any, values: Any, zero_copy: bool) -> A
     return buf
 
 
-def run_case(comm: Any, chk: Checker, kind: str, name: str, dtype: Any, count: int, op: str, algo: str, mode: str,
+def run_case(comm: Any, chk: Checker, kind: str, name: str, dtype: Any, count: int, op: str, algorithm: str, mode: str,
              salt: int, want_cache: Dict[Tuple, Any]) -> None:
     key = (kind, name, count, op, salt)
     if key not in want_cache:
@@ -122,17 +122,17 @@ def run_case(comm: Any, chk: Checker, kind: str, name: str, dtype: Any, count: i
     want = want_cache[key]
     mine = to_kind(contribution(comm.rank, count, salt), kind, dtype)
     x = _buffer(comm, kind, dtype, mine, mode.startswith("zc"))
-    label = f"{kind}/{name}/n={count}/{op}/{algo}/{mode}"
+    label = f"{kind}/{name}/n={count}/{op}/{algorithm}/{mode}"
     if mode.endswith("out"):
         out = np.empty_like(x) if kind == "numpy" else x.new_empty(x.shape)
-        res = comm.all_reduce(x, op, out=out, algo=algo)
+        res = comm.all_reduce(x, op, out=out, algorithm=algorithm)
         assert res is out
         if not same(x, mine):
             chk.failures.append(f"rank {comm.rank}: {label}: out-of-place call modified its input")
     else:
-        res = comm.all_reduce(x, op, algo=algo)
+        res = comm.all_reduce(x, op, algorithm=algorithm)
         assert res is x
-    chk.record(label, res, want, key=f"{kind}/{name}/n={count}/{op}/{algo}")  # modes may differ by rank
+    chk.record(label, res, want, key=f"{kind}/{name}/n={count}/{op}/{algorithm}")  # modes may differ by rank
 
 
 def counts_for(comm: Any, quick: bool) -> List[int]:
@@ -151,9 +151,9 @@ def run_matrix(comm: Any, quick: bool = False) -> Dict[str, Any]:
     for kind, name, dtype in dtypes():
         for count in counts_for(comm, quick):
             for op in OPS:
-                for algo in ALGOS:
+                for algorithm in ALGORITHMS:
                     for mode in MODES:
-                        run_case(comm, chk, kind, name, dtype, count, op, algo, mode, salt=count % 5, want_cache=cache)
+                        run_case(comm, chk, kind, name, dtype, count, op, algorithm, mode, salt=count % 5, want_cache=cache)
     rep = chk.report()
     rep["random"] = run_random(comm)
     return rep
@@ -167,7 +167,7 @@ def run_random(comm: Any) -> Dict[str, Any]:
     worst = 0.0
     W = comm.world_size
     for count in (1, 1000, 5000):
-        for algo in ALGOS:
+        for algorithm in ALGORITHMS:
             xs = [np.random.default_rng(1000 * count + r).standard_normal(count).astype(np.float32) for r in range(W)]
             stack = np.stack(xs).astype(np.float64)
             ref = stack.sum(axis=0)
@@ -176,12 +176,12 @@ def run_random(comm: Any) -> Dict[str, Any]:
             if DEVICE == "cuda":
                 torch = _torch()
                 t = torch.from_numpy(x).to(DEVICE)
-                comm.all_reduce(t, "sum", algo=algo)
+                comm.all_reduce(t, "sum", algorithm=algorithm)
                 x = t.cpu().numpy()
             else:
-                comm.all_reduce(x, "sum", algo=algo)
+                comm.all_reduce(x, "sum", algorithm=algorithm)
             worst = max(worst, float(np.max(np.abs(x - ref) / scale)))
-            chk.record(f"random/{count}/{algo}", x, x)
+            chk.record(f"random/{count}/{algorithm}", x, x)
     rep = chk.report()
     rep["max_rel_err"] = worst
     rep["tolerance"] = 2.0 * max(1, W - 1) * 2.0 ** -24
@@ -200,11 +200,11 @@ def run_burst(comm: Any, calls: int, seed: int, max_count: int = 20000) -> Dict[
         kind, name, dtype = kinds[int(rng.integers(len(kinds)))]
         count = int(rng.integers(1, max_count))
         op = OPS[int(rng.integers(len(OPS)))]
-        algo = ("auto", "one-shot", "two-shot")[int(rng.integers(3))]
+        algorithm = ("auto", "one-shot", "two-shot")[int(rng.integers(3))]
         # Buffer modes differ between ranks within one call: peers that pull, take pushes into
         # their pool, or take cross-memory writes meet in the same all-gather.
         mode = MODES[(int(rng.integers(len(MODES))) + comm.rank) % len(MODES)]
-        run_case(comm, chk, kind, name, dtype, count, op, algo, mode, salt=i % 11, want_cache=cache)
+        run_case(comm, chk, kind, name, dtype, count, op, algorithm, mode, salt=i % 11, want_cache=cache)
         if len(cache) > 64:
             cache.clear()
     return chk.report()
@@ -256,6 +256,6 @@ def bad_input_cases(torch: Any) -> Dict[str, Tuple[Callable[[Any], Any], str, st
         "unknown_op": (lambda c: c.all_reduce(np.zeros(4, np.float32), op="prod"), "ValueError", "prod"),
         "reduceop_product": (lambda c: c.all_reduce(np.zeros(4, np.float32), op=dist.ReduceOp.PRODUCT), "ValueError", "PRODUCT"),
         "wrong_device": (lambda c: c.all_reduce(torch.zeros(4, device="meta")), "ValueError", "meta"),
-        "unknown_algo": (lambda c: c.all_reduce(np.zeros(4, np.float32), algo="three-shot"), "ValueError", "three-shot"),
+        "unknown_algorithm": (lambda c: c.all_reduce(np.zeros(4, np.float32), algorithm="three-shot"), "ValueError", "three-shot"),
         "negated_view": (lambda c: c.all_reduce(torch._neg_view(torch.ones(4))), "ValueError", "negated"),
     }

@@ -183,7 +183,7 @@ def task_mismatch_bounds(args: dict) -> dict:
     out = {}
     t0 = time.monotonic()
     try:
-        comm.all_reduce(x, "sum", algo=args.get("algo"))
+        comm.all_reduce(x, "sum", algorithm=args.get("algorithm"))
         out["error"] = None
         out["result_ok"] = bool(np.all(x == sum(range(1, comm.world_size + 1))))
     except Exception as exc:
@@ -249,21 +249,21 @@ def task_nan(args: dict) -> dict:
                 t = torch.from_numpy(vals)
                 tref = (t.amax(0) if op == "max" else t.amin(0)).numpy()
                 assert np.array_equal(np.isnan(tref), nan) and np.array_equal(tref[~nan], ref[~nan]), (dt, op)
-                for algo in ("one-shot", "two-shot"):
+                for algorithm in ("one-shot", "two-shot"):
                     if dt == "bfloat16":
                         x = inputs[rank].clone()
-                        comm.all_reduce(x, op, algo=algo)
+                        comm.all_reduce(x, op, algorithm=algorithm)
                         got = x.view(torch.int16).numpy().view(np.uint16)
                         want = torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
                         want[nan] = 0x7fc0
                     else:
                         x = inputs[rank].copy()
-                        comm.all_reduce(x, op, algo=algo)
+                        comm.all_reduce(x, op, algorithm=algorithm)
                         ut = np.uint32 if dt == "float32" else np.uint16
                         got = x.view(ut)
                         want = ref.astype(dt).view(ut).copy()
                         want[nan] = 0x7fc00000 if dt == "float32" else 0x7e00
-                    key = f"{n}/{op}/{dt}/{algo}"
+                    key = f"{n}/{op}/{dt}/{algorithm}"
                     out["checks"] += 1
                     bad = np.flatnonzero(got != want)
                     if bad.size:

@@ -128,11 +128,11 @@ def test_empty_outlives_close():
 
 
 def test_algorithm_for_and_bad_options():
-    with nvrar.Communicator(algo="two-shot") as c:
+    with nvrar.Communicator(algorithm="two-shot") as c:
         assert c.algorithm_for(8) == "two-shot"
         assert c.algorithm_for(8, "one-shot") == "one-shot"
     with pytest.raises(ValueError, match="algorithm"):
-        nvrar.Communicator(algo="bogus")
+        nvrar.Communicator(algorithm="bogus")
     with pytest.raises(ValueError, match="timeout"):
         nvrar.Communicator(timeout=0)
     with pytest.raises(ValueError, match="timeout"):

@@ -106,3 +106,17 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     res = subprocess.run(bench_cmd() + ["--device", "cuda"], capture_output=True, text=True, timeout=60,
                          env=clean_env(), cwd=tmp_path)
     assert res.returncode == 2 and "--device cuda" in res.stderr, res.stderr
+
+
+def test_algorithms_option_and_its_deprecated_spelling(tmp_path):
+    """--algorithms picks nvrar's algorithms (the JSON key stays "algorithm"); --algos still works,
+    with one note on stderr (not one per launched rank)."""
+    args = QUICK + ["--launcher", "local", "--ranks", "2", "--backends", "nvrar", "--buffers", "ordinary"]
+    for flag in ("--algorithms", "--algos"):
+        res = subprocess.run(bench_cmd() + args + [flag, "two-shot", "--json", "r.json"], capture_output=True,
+                             text=True, timeout=300, env=clean_env(), cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-4000:]
+        data = load(tmp_path / "r.json")
+        assert {r["algorithm"] for r in data["results"]} == {"two-shot"}, flag
+        notes = res.stderr.count("--algos is deprecated; use --algorithms")
+        assert notes == (1 if flag == "--algos" else 0), res.stderr

@@ -10,8 +10,8 @@ from nvrar import _C
 
 torch = pytest.importorskip("torch")
 
-F32, F16, BF16, I32 = 0, 1, 2, 3
-SUM, MAX, MIN, AVG = 0, 1, 2, 3
+F32, F16, BF16, I32 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", "bfloat16", "int32"))
+SUM, MAX, MIN, AVG = (_C.OP_CODES[n] for n in ("sum", "max", "min", "avg"))
 
 
 def reduce(srcs, dtype_code, op, world=1):

@@ -14,12 +14,12 @@ from _launch import assert_all_ok, describe, launch
 
 from nvrar import _C
 
-F32, SUM, TWO_SHOT, ONE_SHOT = 0, 0, 1, 2
+F32, SUM = _C.DTYPE_CODES["float32"], _C.OP_CODES["sum"]
 
 
 # -- 13.1: a call mismatch the 16-bit signature cannot see ----------------------------------------
 
-@pytest.mark.parametrize("G,counts,algo,where,env", [
+@pytest.mark.parametrize("G,counts,algorithm,where,env", [
     # the case of the issue: the push all-gather wrote 31,409 floats past rank 0's array
     (2, (100000, 131409), "two-shot", "private", {}),
     (2, (100000, 131409), "two-shot", "pool", {}),                      # pushes into the heap
@@ -27,10 +27,10 @@ F32, SUM, TWO_SHOT, ONE_SHOT = 0, 0, 1, 2
     (1, (252, 361), "two-shot", "private", {}),                         # inter-node put-with-signal
     (1, (252, 361), "two-shot", "private", {"NVRAR_LL_MAX_BYTES": "16K"}),  # inter-node LL packets
 ], ids=["push-cma", "push-pool", "one-shot", "inter-put", "inter-ll"])
-def test_colliding_signatures_raise_mismatch_and_write_nothing_out_of_bounds(G, counts, algo, where, env):
-    variant = TWO_SHOT if algo == "two-shot" else ONE_SHOT
-    assert _C.call_signature(counts[0], F32, SUM, variant) == _C.call_signature(counts[1], F32, SUM, variant)
-    res = launch(2, "mismatch_bounds", {"G": G, "algo": algo, "where": where, "timeout": 30},
+def test_colliding_signatures_raise_mismatch_and_write_nothing_out_of_bounds(G, counts, algorithm, where, env):
+    code = _C.ALGORITHM_CODES[algorithm]
+    assert _C.call_signature(counts[0], F32, SUM, code) == _C.call_signature(counts[1], F32, SUM, code)
+    res = launch(2, "mismatch_bounds", {"G": G, "algorithm": algorithm, "where": where, "timeout": 30},
                  per_rank_args=[{"count": counts[0]}, {"count": counts[1]}], env=env, timeout=120)
     reports = assert_all_ok(res)
     for rep in reports:

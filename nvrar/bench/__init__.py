@@ -28,6 +28,9 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+_ALGORITHMS = "auto,one-shot,two-shot"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=None,
                    help="ranks to launch when started bare (default: 2 on CPU, one per visible GPU)")
@@ -43,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the iterations are split into this many rounds over the backends (default 4)")
     p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
                    help="comma list of nvrar, mpi, gloo (CPU peers), nccl, nvshmem (GPU peers)")
-    p.add_argument("--algos", default="auto,one-shot,two-shot", help="nvrar variants to measure (default all)")
+    p.add_argument("--algorithms", default=None,
+                   help=f"nvrar algorithms to measure, comma list (default {_ALGORITHMS})")
+    p.add_argument("--algos", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --algorithms
     p.add_argument("--buffers", default="ordinary,symmetric",
                    help="nvrar buffers, comma list: ordinary arrays, and/or symmetric ones from "
                         "Communicator.empty() (zero-copy); default both")
@@ -64,6 +69,14 @@ def build_parser(prog: str = "nvrar-bench") -> argparse.ArgumentParser:
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.algos is not None:
+        if args.algorithms is not None and args.algorithms != args.algos:
+            p.error(f"--algorithms {args.algorithms} and its deprecated spelling --algos {args.algos} disagree")
+        if args.launched_by is None:  # once, not from every launched rank
+            print(f"{p.prog}: note: --algos is deprecated; use --algorithms", file=sys.stderr)
+        args.algorithms = args.algos
+    if args.algorithms is None:
+        args.algorithms = _ALGORITHMS
     if args.min_bytes <= 0 or args.max_bytes < args.min_bytes:
         p.error(f"need 0 < --min-bytes <= --max-bytes (got {args.min_bytes}, {args.max_bytes})")
     if args.iters < 1 or args.warmup < 0 or args.rounds < 1:

@@ -34,7 +34,7 @@ def torch_dtype(name: str) -> Any:
 
 
 class Backend:
-    """One measured implementation. ``algorithm`` names the variant ("auto", "ring", ...)."""
+    """One measured implementation. ``algorithm`` names the algorithm ("auto", "ring", ...)."""
 
     name = "base"
     algorithm = "default"
@@ -98,7 +98,7 @@ class NvrarBackend(_HostArrays):
         self.algorithm = algorithm
         self.symmetric = symmetric  # buffers from comm.empty(): zero-copy input and output
         self.buffers = "symmetric" if symmetric else "ordinary"
-        self._algo = None if algorithm == "auto" else algorithm
+        self._algorithm = None if algorithm == "auto" else algorithm
         self.device = comm.device
 
     @property
@@ -130,7 +130,7 @@ class NvrarBackend(_HostArrays):
             super().fill(buf, values)
 
     def call(self, buf: Any, op: str) -> None:
-        self.comm.all_reduce(buf, op, algo=self._algo)
+        self.comm.all_reduce(buf, op, algorithm=self._algorithm)
 
     def synchronize(self) -> None:
         if self.device == "cuda":

@@ -271,7 +271,7 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     if gpu and torch_skip:
         raise SystemExit(f"nvrar-bench --device cuda needs torch.distributed: {torch_skip}")
     # every symmetric buffer of one size at once: nvrar's symmetric rows, the NVSHMEM peer's two
-    n_sym = ("symmetric" in args.buffers) * len([a for a in args.algos.split(",") if a.strip()])
+    n_sym = ("symmetric" in args.buffers) * len([a for a in args.algorithms.split(",") if a.strip()])
     n_sym += 2 if (gpu and "nvshmem" in names) else 0
     heap = max(32 << 20, n_sym * (args.max_bytes + 4096) + (1 << 20))
     ctl_comm = None if torch_skip is None else Communicator(ranks_per_node=args.ranks_per_node,
@@ -289,9 +289,9 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     backends: List[Backend] = []
     skipped: Dict[str, str] = {}
     if "nvrar" in names:
-        algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+        algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
         modes = [m.strip() for m in args.buffers.split(",") if m.strip()]
-        backends += [NvrarBackend(comm, a, mode == "symmetric") for mode in modes for a in algos]
+        backends += [NvrarBackend(comm, a, mode == "symmetric") for mode in modes for a in algorithms]
     if "mpi" in names:
         backends.append(MPIBackend() if args.device == "cpu" else _skip("mpi", "CPU peer; GPU runs compare NCCL"))
     if "gloo" in names:

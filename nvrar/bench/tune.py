@@ -24,7 +24,7 @@ def tune_rank(args: argparse.Namespace, launcher: str) -> int:
     from . import runner
 
     args.backends = "nvrar,gloo" if args.device == "cpu" else "nvrar,nccl"
-    args.algos = "one-shot,two-shot"
+    args.algorithms = "one-shot,two-shot"
     args.buffers = "ordinary"
     args.launched_by = launcher
     rows = runner.run_rank(args, launcher, collect=True)

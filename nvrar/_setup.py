@@ -1,0 +1,164 @@
+"""Setting a Communicator up: the agreement of every rank on its settings (over the bootstrap),
+then the CPU executor (shared-memory segments) or the GPU executor (NVSHMEM).
+
+Every step that can fail on one rank alone exchanges its verdict before the next collective
+step, so that every rank raises at construction and none waits for another. Every executor
+value is passed by keyword from nvrar.settings: the native executors have no defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from .errors import NvrarError
+from .settings import AGREED, SECRET_BYTES, Settings
+
+__all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device"]
+
+_log = logging.getLogger("nvrar")
+
+
+def exchange(boot: Any, settings: Optional[Settings], env_error: str, single_host: bool) -> Tuple[int, bytes]:
+    """Exchange every rank's settings (or its error in them), host and launcher; returns the
+    ranks per node every rank agrees on and rank 0's session secret (ValueError / NvrarError,
+    alike on every rank, if they do not agree)."""
+    mine = {
+        "host": socket.gethostname(),
+        "launcher": boot.launcher_local_size,
+        "error": env_error,
+        "settings": settings.agreed() if settings is not None else None,
+        # The session secret every rank's segment carries and every attaching rank checks.
+        "secret": os.urandom(SECRET_BYTES).hex() if boot.rank == 0 else "",
+    }
+    infos = boot.allgather_json(mine, "settings")
+    bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
+    if bad:
+        raise ValueError("Communicator: bad settings on " + "; ".join(f"rank {r}: {e}" for r, e in bad))
+    return agree(infos, single_host), bytes.fromhex(infos[0]["secret"])
+
+
+def agree(infos: Sequence[Dict[str, Any]], single_host: bool = True) -> int:
+    """Ranks per node, identical on every rank (every rank evaluates the same list)."""
+    W = len(infos)
+    for key, name in AGREED.items():
+        values = {json.dumps(i["settings"][key]) for i in infos}
+        if len(values) > 1:
+            per_rank = ", ".join(f"rank {r}: {i['settings'][key]}" for r, i in enumerate(infos))
+            raise ValueError(f"Communicator: ranks disagree on {name} ({per_rank}); pass the same value everywhere")
+    hosts = [i["host"] for i in infos]
+    if single_host and len(set(hosts)) > 1:
+        raise NvrarError(
+            "Communicator: the CPU executor needs every rank on one host (shared memory), but ranks run on "
+            f"{sorted(set(hosts))}; multi-node runs need device='cuda'"
+        )
+    G = infos[0]["settings"]["ranks_per_node"]
+    if G is None:
+        launcher = {i["launcher"] for i in infos}
+        G = launcher.pop() if len(launcher) == 1 and None not in launcher else hosts.count(hosts[0])
+        if G is None or W % G != 0:
+            G = W
+    if G > W or W % G != 0:
+        raise ValueError(f"ranks_per_node={G} must divide the world size {W}")
+    # Node-major numbering: the ranks of one (real) node must form whole emulated nodes.
+    for start in range(0, W, G):
+        if len(set(hosts[start:start + G])) > 1:
+            raise NvrarError(f"Communicator: ranks {start}..{start + G - 1} form one node but run on hosts "
+                             f"{sorted(set(hosts[start:start + G]))}; number ranks node by node (rank = node * "
+                             f"ranks_per_node + local rank)")
+    return int(G)
+
+
+def _raise_failed(statuses: Sequence[Dict[str, Any]]) -> None:
+    failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
+    if failed:
+        raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+
+
+def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: bytes) -> Any:
+    """The CPU executor, attached to every rank's segment (on failure: nothing left behind)."""
+    from . import _C
+
+    if len(secret) != SECRET_BYTES:
+        raise NvrarError(f"Communicator: rank 0 sent a session secret of {len(secret)} bytes, "
+                         f"expected {SECRET_BYTES}")
+    # Creating the segment can fail on one rank alone (/dev/shm full): the verdicts travel
+    # with the names, so that every rank raises at construction and none waits for another.
+    ex = None
+    created = {"segment": "", "error": ""}
+    try:
+        ex = _C.CpuExecutor(
+            rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
+            oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
+            jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
+            cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret)
+        created["segment"] = ex.segment_name
+    except NvrarError as exc:
+        created["error"] = str(exc)
+    try:
+        everyone = boot.allgather_json(created, "segment")
+        _raise_failed(everyone)
+        assert ex is not None
+        names = [s["segment"] for s in everyone]
+        status = {"error": "", "cma": False}
+        try:
+            ex.attach(names)
+            status["cma"] = bool(ex.probe_cma())
+        except NvrarError as exc:
+            status["error"] = str(exc)
+        statuses = boot.allgather_json(status, "attach status")
+        ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
+        _raise_failed(statuses)
+        # Cross-memory access only if every rank can reach every other (all decide alike).
+        ex.enable_cma(all(s["cma"] for s in statuses))
+    except BaseException:
+        if ex is not None:
+            ex.unlink_segment()
+            ex.close()
+        raise
+    return ex
+
+
+def cuda_device(rank: int, G: int, count: int) -> int:
+    """This rank's CUDA device: torch's current device when torch has set one up, else the
+    launcher's local rank (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK), else rank mod G."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value) % count
+    return (rank % G) % count
+
+
+def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[Any, int]:
+    """(the GPU executor, this rank's CUDA device)."""
+    from . import _gpu
+
+    # Everything that can fail locally is checked, and the verdicts exchanged, before the
+    # collective NVSHMEM setup: a rank must not leave the others waiting in it.
+    mod, err = _gpu.load()
+    status: Dict[str, Any] = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1}
+    if mod is not None:
+        n, why = mod.device_count()
+        if n == 0:
+            status["error"] = f"device='cuda' needs a CUDA device: {why}"
+        else:
+            status["device"] = cuda_device(rank, G, n)
+    statuses = boot.allgather_json(status, "device status")
+    _raise_failed(statuses)
+    assert mod is not None
+    uid = boot.allgather(mod.unique_id() if rank == 0 else b"")[0]
+    device = int(status["device"])
+    ex = mod.GpuExecutor(
+        rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
+        oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
+        max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, uid=uid)
+    for line in mod.env_set_by_nvrar():
+        _log.info("nvrar: set %s (not set by the user)", line)
+    return ex, device

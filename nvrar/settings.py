@@ -1,0 +1,233 @@
+"""Every setting of a Communicator and its default, defined once.
+
+A setting comes from the constructor's argument, else from its NVRAR_* variable (nvrar.env),
+else from the defaults below. The native executors have no defaults of their own: nvrar passes
+every value explicitly (nvrar/_setup.py), and the texts of nvrar.env.VARIABLES are derived from
+these constants.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+__all__ = ["Settings", "resolve", "check_arguments", "check_timeout", "size_text", "per_device_text",
+           "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
+           "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "AGREED"]
+
+DEVICES = ("cpu", "cuda")
+
+# Per executor: the largest chunk of one round, and the zero-copy pool behind empty() (bytes).
+MAX_BYTES: Dict[str, int] = {"cpu": 4 << 20, "cuda": 16 << 20}
+HEAP_BYTES: Dict[str, int] = {"cpu": 32 << 20, "cuda": 64 << 20}
+MIN_MAX_BYTES = 256  # a smaller round could not hold one 16-byte cell per rank of a node
+TIMEOUT_S = 60.0  # deadline of every wait, and of the bootstrap
+MAX_TIMEOUT_S = 1e6  # ~11.6 days: any longer deadline is a mistake, and overflows nanosecond clocks
+ALGORITHM = "auto"
+SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor.h kSecretBytes)
+
+# One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
+# G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
+# per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
+# wins up to 4 KB, two-shot from 8 KB on (measured with nvrar-bench --min-bytes 64 --max-bytes 32K
+# --algorithms one-shot,two-shot, 2 ranks on a 2-core x86 host; that command, or `nvrar tune`,
+# measures another machine). G = 1 has no intra-node phase, so both variants move the same bytes.
+# Larger G: not measured here (more ranks than cores); 16 KB is a guess between the two costs.
+CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 4 << 10}
+CPU_ONESHOT_MAX_DEFAULT = 16 << 10
+
+# GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
+# synchronization. Untuned defaults (no GPU measurement yet; `nvrar tune` writes measured tables):
+# 256 KB up to 4 GPUs per node, 64 KB beyond.
+GPU_ONESHOT_MAX_SMALL_G, GPU_ONESHOT_MAX = 256 << 10, 64 << 10
+
+# Without a tuning table (nvrar tune): on GPUs the published NVRAR result covers multi-node
+# 128 KB - 2 MB; on one node NCCL's NVLink algorithms are hard to beat, and above a few MB NCCL's
+# ring is bandwidth-optimal: nvrar takes multi-node messages up to this size, NCCL the rest
+# (nvrar.selector.default_choice).
+GPU_NATIVE_ABOVE = 2 << 20
+
+# GPU launch: one CUDA block (one slice, own flags) per 32 KB of message, at most 16 blocks of
+# 512 threads: a block moves 8 KB per pass (16 bytes a thread), so a slice is at most 4 passes;
+# 64 KB runs on 2 blocks, 256 KB and more on 8-16 SMs (one block up to 256 KB left one SM's load
+# and store bandwidth and one thread's sequential loads as the limit). Messages up to 32 KB stay
+# on one block: fewest flags. Unmeasured on a GPU: scripts/gpu_check.sh's sweep is the check.
+GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 32 << 10}
+
+# Smallest shard (bytes) that the CPU executor moves by cross-memory reads and writes (a system
+# call each, which pins the pages) instead of staging it through the shared segment. Two-shot,
+# 2 ranks, median us at 8K/16K/32K messages: threshold 4K 3.62/4.11/5.19, 8K 3.14/4.20/5.27,
+# 32K 3.16/4.88/8.10 (NVRAR_CMA_MIN_BYTES=... nvrar-bench --algorithms two-shot --buffers ordinary).
+CMA_MIN_BYTES = 8 << 10
+
+# Cross-memory transfers are split into pieces of this size (bytes), each fetched, reduced and
+# pushed while it is in cache; whole shards of a few MB would spill a 2 MB L2 cache.
+CMA_PIECE_BYTES = 128 << 10
+
+# Inter-node shards up to this size travel as LL packets (protocol/ll.h): one network latency
+# instead of two (data, then signal), at twice the bytes; above it put-with-signal. GPU: 32 KB, an
+# untuned guess at where doubling the bytes costs more than a network latency (NVSHMEM puts on
+# InfiniBand: ~2-3 us latency, ~45 GB/s: 32 KB more on the wire is ~0.7 us). CPU: off (flags in
+# shared memory cost nothing); tests switch it on to run the GPU's LL logic on the CPU.
+LL_MAX_BYTES: Dict[str, int] = {"cpu": 0, "cuda": 32 << 10}
+
+JITTER_US = 0.0
+JITTER_SEED = 0
+CMA = True
+
+# Settings that decide which bytes each round carries (chunking, algorithm, transport): every
+# rank must use the same values, checked once at construction (field -> name in the error).
+AGREED: Dict[str, str] = {"ranks_per_node": "ranks_per_node", "max_bytes": "max_bytes", "heap_bytes": "heap_bytes",
+                          "algorithm": "algorithm", "ll_max_bytes": "NVRAR_LL_MAX_BYTES",
+                          "oneshot_max_bytes": "NVRAR_ONESHOT_MAX_BYTES"}
+
+
+def size_text(nbytes: int) -> str:
+    """64K, 4M, 0: a size as the NVRAR_* variables accept it."""
+    for suffix, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{suffix}"
+    return str(nbytes)
+
+
+def per_device_text(values: Dict[str, int]) -> str:
+    """"4M (CPU), 16M (GPU)"."""
+    return ", ".join(f"{size_text(values[d])} ({'CPU' if d == 'cpu' else 'GPU'})" for d in DEVICES)
+
+
+def check_timeout(value: float, what: str) -> float:
+    if not value > 0 or math.isinf(value) or math.isnan(value) or value > MAX_TIMEOUT_S:
+        raise ValueError(f"{what} must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {value}")
+    return value
+
+
+def algorithm_argument(algorithm: Optional[str], algo: Optional[str], where: str) -> Optional[str]:
+    """``algorithm=``, or its deprecated spelling ``algo=`` (with a DeprecationWarning)."""
+    if algo is None:
+        return algorithm
+    if algorithm is not None and algorithm != algo:
+        raise TypeError(f"{where}: algorithm={algorithm!r} and its deprecated spelling algo={algo!r} disagree; "
+                        f"pass algorithm= only")
+    warnings.warn(f"{where}: algo= is deprecated; pass algorithm=", DeprecationWarning, stacklevel=3)
+    return algo
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every value a Communicator's executor is built with (resolved on this rank)."""
+
+    device: str
+    timeout_s: float
+    max_bytes: int
+    heap_bytes: int
+    ranks_per_node: Optional[int]  # requested; None: the launcher's local size, or ranks on this host
+    algorithm: str
+    oneshot_max_bytes: Optional[int]  # NVRAR_ONESHOT_MAX_BYTES; None: by layout (oneshot_max)
+    ll_max_bytes: int
+    jitter_us: float
+    jitter_seed: int
+    cma: bool
+    cma_min_bytes: int
+    cma_piece_bytes: int
+    max_blocks: int
+    threads: int
+    block_bytes: int
+
+    def agreed(self) -> Dict[str, object]:
+        """The values that must be equal on every rank (exchanged as JSON at construction)."""
+        return {key: getattr(self, key) for key in AGREED}
+
+    def oneshot_max(self, ranks_per_node: int) -> int:
+        """Largest message (bytes) that the auto policy sends through the one-shot variant."""
+        if self.oneshot_max_bytes is not None:
+            return self.oneshot_max_bytes
+        if self.device == "cpu":
+            return CPU_ONESHOT_MAX.get(ranks_per_node, CPU_ONESHOT_MAX_DEFAULT)
+        return GPU_ONESHOT_MAX_SMALL_G if ranks_per_node <= 4 else GPU_ONESHOT_MAX
+
+
+def check_arguments(*, timeout: Optional[float] = None, max_bytes: Optional[int] = None,
+                    heap_bytes: Optional[int] = None, ranks_per_node: Optional[int] = None,
+                    algorithm: Optional[str] = None) -> Optional[float]:
+    """Check the constructor's arguments (the caller's own, on every rank alike): a ValueError
+    before any communication. Returns the timeout as a float (or None)."""
+    from .selector import algorithm_code
+
+    if timeout is not None:
+        timeout = check_timeout(float(timeout), "timeout")
+    if max_bytes is not None and int(max_bytes) < MIN_MAX_BYTES:
+        raise ValueError(f"max_bytes must be at least {MIN_MAX_BYTES}, got {max_bytes}")
+    if heap_bytes is not None and int(heap_bytes) < 0:
+        raise ValueError(f"heap_bytes must be >= 0, got {heap_bytes}")
+    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+        raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+    if algorithm is not None:
+        algorithm_code(algorithm)
+    return timeout
+
+
+def _env_algorithm() -> Optional[str]:
+    from . import env
+
+    value = env.get_str("NVRAR_ALGORITHM")
+    old = env.get_str("NVRAR_ALGO")
+    if old is not None:
+        warnings.warn("NVRAR_ALGO is deprecated; set NVRAR_ALGORITHM" +
+                      (" (NVRAR_ALGORITHM is set and wins)" if value is not None else ""),
+                      DeprecationWarning, stacklevel=4)
+    return value if value is not None else old
+
+
+def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional[int] = None,
+            heap_bytes: Optional[int] = None, ranks_per_node: Optional[int] = None,
+            algorithm: Optional[str] = None) -> Settings:
+    """Every setting: arguments first, then NVRAR_* variables, then the defaults above
+    (ValueError naming the variable if one is bad). The arguments are assumed checked
+    (check_arguments)."""
+    from . import env
+    from .selector import algorithm_code
+
+    if device not in DEVICES:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if timeout is None:
+        timeout = env.get_float("NVRAR_TIMEOUT_S")
+        timeout = TIMEOUT_S if timeout is None else check_timeout(timeout, "NVRAR_TIMEOUT_S")
+    if max_bytes is None:
+        max_bytes = env.get_bytes("NVRAR_MAX_BYTES")
+        max_bytes = MAX_BYTES[device] if max_bytes is None else max_bytes
+        if max_bytes < MIN_MAX_BYTES:
+            raise ValueError(f"NVRAR_MAX_BYTES must be at least {MIN_MAX_BYTES}, got {max_bytes}")
+    if heap_bytes is None:
+        heap_bytes = env.get_bytes("NVRAR_HEAP_BYTES")
+        heap_bytes = HEAP_BYTES[device] if heap_bytes is None else heap_bytes
+    requested = ranks_per_node if ranks_per_node is not None else env.get_int("NVRAR_RANKS_PER_NODE")
+    if requested is not None and requested < 1:
+        raise ValueError(f"NVRAR_RANKS_PER_NODE must be >= 1, got {requested}")
+    if algorithm is None:
+        algorithm = _env_algorithm() or ALGORITHM
+    algorithm_code(algorithm)
+    ll = env.get_bytes("NVRAR_LL_MAX_BYTES")
+    cpu = device == "cpu"  # the CPU executor's own variables are read (and checked) only there
+    cma_min = env.get_bytes("NVRAR_CMA_MIN_BYTES") if cpu else None
+    cma = env.get_int("NVRAR_CMA") if cpu else None
+    return Settings(
+        device=device,
+        timeout_s=float(timeout),
+        max_bytes=int(max_bytes),
+        heap_bytes=int(heap_bytes),
+        ranks_per_node=requested,
+        algorithm=algorithm,
+        oneshot_max_bytes=env.get_bytes("NVRAR_ONESHOT_MAX_BYTES"),
+        ll_max_bytes=LL_MAX_BYTES[device] if ll is None else ll,
+        jitter_us=(env.get_float("NVRAR_JITTER_US") if cpu else None) or JITTER_US,
+        jitter_seed=(env.get_int("NVRAR_JITTER_SEED") if cpu else None) or JITTER_SEED,
+        cma=CMA if cma is None else cma != 0,
+        cma_min_bytes=CMA_MIN_BYTES if cma_min is None else cma_min,
+        cma_piece_bytes=CMA_PIECE_BYTES,
+        max_blocks=GPU_LAUNCH["max_blocks"],
+        threads=GPU_LAUNCH["threads"],
+        block_bytes=GPU_LAUNCH["block_bytes"],
+    )
