@@ -488,6 +488,20 @@ class Communicator:
         self._all_reduce(ptr, optr, count, code, opc, variant)
         return x if out is None else out
 
+    def all_reduce_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
+                                algo: Optional[str] = None) -> Tuple[Any, Any]:
+        """Fused all-reduce + residual add + RMSNorm, in place (like vLLM's fused_add_rms_norm):
+        ``residual += all_reduce_sum(x)``, then ``x = rms_norm(residual) * weight``; returns
+        ``(x, residual)``. x and residual: shape (..., h); weight: (h,); one dtype (float32,
+        float16, bfloat16), contiguous, CPU. Sum, mean of squares and scaling in fp32, each output
+        rounded once; the norm reads the rounded new residual. residual and weight must be the same
+        on every rank; every rank ends with bitwise identical x and residual. Every rank must call
+        with the same shape, dtype and eps. See nvrar/_fused.py and README "Fused add + RMSNorm".
+        """
+        from . import _fused
+
+        return _fused.all_reduce_add_rms_norm(self, x, residual, weight, eps, algo)
+
     def _all_reduce_cuda(self, x: Any, op: Any, out: Any, algo: Optional[str], stream: Any) -> Any:
         tensor = _arrays.torch_tensor_type()
         if tensor is not None and isinstance(x, tensor):

@@ -188,7 +188,11 @@ TASKS["store"] = task_store
 
 def main() -> int:
     task, args, report_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    if task not in TASKS and task.startswith("gpu_"):
+    if task not in TASKS and task.startswith("fused_"):
+        import _fused_tasks
+
+        TASKS.update(_fused_tasks.TASKS)
+    elif task not in TASKS and task.startswith("gpu_"):
         import _gpu_tasks
 
         TASKS.update(_gpu_tasks.TASKS)

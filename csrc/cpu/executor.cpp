@@ -46,6 +46,8 @@ struct SegmentHeader {
   int32_t call_variant;
   int32_t pad;
   char error_text[2048];  // the message of this rank's failure, for the ranks it aborts
+  uint64_t call_h;        // fused call (call_op == kFusedOpCode): row length and eps bits
+  uint32_t call_eps_bits;
 };
 static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
 
@@ -332,6 +334,30 @@ void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_
     two_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
 }
 
+void CpuExecutor::fused_round(const FusedSlice& s, Variant v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi,
+                              char* scratch) {
+  const uint64_t e = ++epoch_;
+  CpuTransport tp{this, fn, e};
+  if (v == Variant::kOneShot) {
+    one_shot_round(tp, round_cfg_, ws_, Slice{s.in, scratch, s.rows * s.h, s.es, 0, 0, false, false}, e, sig,
+                   make_scale(RedOp::kSum, 1));
+    epi(s.x_out, s.res, scratch, s.res, s.rows);
+  } else {
+    fused_two_shot_round(tp, round_cfg_, ws_, s, e, sig, epi);
+  }
+}
+
+void CpuExecutor::note_call(uint64_t count, DType dtype, int32_t op, Variant v, uint64_t h, float eps) {
+  auto* hd = reinterpret_cast<SegmentHeader*>(heap_.mine());
+  hd->call_epoch = epoch_ + 1;
+  hd->call_count = count;
+  hd->call_dtype = static_cast<int32_t>(dtype);
+  hd->call_op = op;
+  hd->call_variant = static_cast<int32_t>(v);
+  hd->call_h = h;
+  hd->call_eps_bits = float_bits(eps);
+}
+
 void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1) {
   auto* c = reinterpret_cast<Cell*>(heap_.base(peer) + cell_off);
   store_relaxed(&c->aux0, aux0);
@@ -446,6 +472,12 @@ std::string CpuExecutor::mismatch(int peer) const {
 std::string CpuExecutor::describe_call(int rank) const {
   const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(rank));
   std::ostringstream os;
+  if (h->call_op == kFusedOpCode) {
+    os << "all_reduce_add_rms_norm(count=" << h->call_count << ", h=" << h->call_h
+       << ", dtype=" << dtype_name(static_cast<DType>(h->call_dtype)) << ", eps=" << bits_float(h->call_eps_bits)
+       << ", variant=" << variant_name(static_cast<Variant>(h->call_variant)) << ")";
+    return os.str();
+  }
   os << "all_reduce(count=" << h->call_count << ", dtype=" << dtype_name(static_cast<DType>(h->call_dtype))
      << ", op=" << op_name(static_cast<RedOp>(h->call_op))
      << ", variant=" << variant_name(static_cast<Variant>(h->call_variant)) << ")";

@@ -10,9 +10,11 @@
 #include <vector>
 
 #include "../common/error.h"
+#include "../protocol/epilogue.h"
 #include "../protocol/plan.h"
 #include "../protocol/round.h"
 #include "../protocol/types.h"
+#include "fused.h"
 #include "reduce_kernels.h"
 #include "shm_heap.h"
 
@@ -52,6 +54,11 @@ class CpuExecutor {
   // out = reduce(in) over all ranks. in == out is in place. `count` elements of `dtype`.
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant);
 
+  // Fused all-reduce + residual add + RMSNorm, in place (csrc/cpu/fused.cpp, NOTE [fused add +
+  // RMSNorm] in protocol/epilogue.h): x and residual are rows x h elements, weight h elements.
+  void all_reduce_add_rms_norm(void* x, void* residual, const void* weight, size_t rows, size_t h, DType dtype,
+                               float eps, Variant variant);
+
   // The variant kAuto resolves to for a message of `bytes`.
   Variant resolve(Variant v, size_t bytes) const;
 
@@ -76,6 +83,11 @@ class CpuExecutor {
   // One protocol round (protocol/round.h) on n elements, epoch advanced.
   void round(const char* in, char* out, size_t n, size_t elem_size, bool in_pool, bool out_pool, Variant v,
              uint32_t sig, ReduceFn fn, Scale sc);
+
+  // One round of the fused call (protocol/epilogue.h); scratch: a private rows x h buffer (one-shot).
+  void fused_round(const FusedSlice& s, Variant v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi, char* scratch);
+  // Records this call in my segment header, for the other ranks' mismatch messages.
+  void note_call(uint64_t count, DType dtype, int32_t op, Variant v, uint64_t h, float eps);
 
   void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1);
   // Waits for the flag of round `epoch`; returns its aux words.
@@ -116,7 +128,8 @@ class CpuExecutor {
   RoundConfig round_cfg_{};
   uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
   uint64_t rng_ = 0;
-  std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
+  std::atomic<bool> closing_{false};
+  std::vector<char> fused_scratch_;         // one-shot sums of the fused call        // close() asks a call in flight on another thread to stop
 };
 
 }  // namespace nvrar
