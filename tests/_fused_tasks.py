@@ -119,4 +119,49 @@ def task_fused_mismatch(args: Dict[str, Any]) -> dict:
     return out
 
 
-TASKS = {"fused_check": task_fused_check, "fused_errors": task_fused_errors, "fused_mismatch": task_fused_mismatch}
+def task_fused_torch(args: Dict[str, Any]) -> dict:
+    """nvrar.torch.all_reduce_add_rms_norm: eager (nvrar), under torch.compile(fullgraph=True),
+    and the fallback (non-contiguous x: the group's all-reduce + torch math), on a gloo group."""
+    import torch.distributed as dist
+
+    import nvrar.torch as nt
+    from _torch_tasks import finish, init
+
+    init()
+    rank = dist.get_rank()
+    res: Dict[str, Any] = {}
+    for dname in ("float32", "bfloat16"):
+        dtype = DTYPES[dname]
+        x0, r0, w = inputs(rank, 5, 300, dtype, 3)
+        x, r = x0.clone(), r0.clone()
+        out = nt.all_reduce_add_rms_norm(x, r, w, 1e-6)
+        res[f"{dname}_returns_inputs"] = out[0] is x and out[1] is r
+        s = x0.clone()
+        dist.all_reduce(s)
+        ref_x, ref_r = _fused.reference(s, r0, w, 1e-6)
+        res[f"{dname}_eager_ok"] = bool(torch.equal(r, ref_r)) and int((ordered(x) - ordered(ref_x)).abs().max()) <= 1
+
+        def layer(a, b):
+            y = a * 1.0
+            nt.all_reduce_add_rms_norm(y, b, w, 1e-6)
+            return y + 0.0, b
+
+        cx, cr = torch.compile(layer, fullgraph=True, backend=args["backend"])(x0.clone(), r0.clone())
+        res[f"{dname}_compiled_equal"] = bool(torch.equal(cx, x)) and bool(torch.equal(cr, r))
+        # Fallback: a non-contiguous x (a column slice) is not served by nvrar.
+        big = torch.zeros(5, 600, dtype=dtype)
+        big[:, :300] = x0
+        fx, fr = big[:, :300], r0.clone()
+        before = nt.stats()["native"]
+        nt.all_reduce_add_rms_norm(fx, fr, w, 1e-6)
+        res[f"{dname}_fallback_used"] = nt.stats()["native"] == before + 1
+        res[f"{dname}_fallback_residual_ok"] = bool(torch.equal(fr, ref_r))
+        res[f"{dname}_fallback_ulp"] = int((ordered(fx.contiguous()) - ordered(ref_x)).abs().max())
+        res[f"{dname}_digest"] = hashlib.sha256(fx.contiguous().view(torch.uint8).numpy().tobytes()
+                                                + x.view(torch.uint8).numpy().tobytes()).hexdigest()
+    nt.reset()
+    finish()
+    return res
+
+
+TASKS = {"fused_torch": task_fused_torch, "fused_check": task_fused_check, "fused_errors": task_fused_errors, "fused_mismatch": task_fused_mismatch}

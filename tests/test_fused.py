@@ -43,3 +43,16 @@ def test_fused_mismatch(mode, algo):
         assert any("eps=1e-05" in rep["error"] for rep in reports), [r["error"] for r in reports]
     if mode == "h":
         assert any("h=4" in rep["error"] and "h=6" in rep["error"] for rep in reports), [r["error"] for r in reports]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fused_torch(backend):
+    reports = assert_all_ok(launch(2, "fused_torch", {"backend": backend}, timeout=400))
+    for rep in reports:
+        for d in ("float32", "bfloat16"):
+            assert rep[f"{d}_returns_inputs"] and rep[f"{d}_eager_ok"], rep
+            assert rep[f"{d}_compiled_equal"], rep
+            assert rep[f"{d}_fallback_used"] and rep[f"{d}_fallback_residual_ok"], rep
+            assert rep[f"{d}_fallback_ulp"] <= (4 if d == "float32" else 1), rep
+    for d in ("float32", "bfloat16"):
+        assert len({rep[f"{d}_digest"] for rep in reports}) == 1
