@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the iterations are split into this many rounds over the backends (default 4)")
     p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
                    help="comma list of nvrar, mpi, gloo (CPU peers), nccl, nvshmem (GPU peers)")
-    p.add_argument("--algos", default="auto,one-shot,two-shot", help="nvrar variants to measure (default all)")
+    p.add_argument("--algos", default="auto,one-shot,two-shot",
+                   help="nvrar variants to measure (default all); add-rms-norm adds the fused all-reduce + add + RMSNorm")
     p.add_argument("--buffers", default="ordinary,symmetric",
                    help="nvrar buffers, comma list: ordinary arrays, and/or symmetric ones from "
                         "Communicator.empty() (zero-copy); default both")
