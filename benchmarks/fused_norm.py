@@ -43,12 +43,12 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             r0 = torch.randn(batch, h, generator=torch.Generator().manual_seed(5)).to(dtype)
             bufs = {k: (x0.clone(), r0.clone()) for k in ("fused", "nvrar", "gloo")}
 
-            def fused() -> None:
+            def fused(bufs=bufs, x0=x0, w=w) -> None:
                 x, r = bufs["fused"]
                 x.copy_(x0)
                 comm.all_reduce_add_rms_norm(x, r, w, eps, algo=args.algo)
 
-            def unfused(kind: str) -> None:
+            def unfused(kind: str, bufs=bufs, x0=x0, w=w, h=h) -> None:
                 x, r = bufs[kind]
                 x.copy_(x0)
                 if kind == "nvrar":

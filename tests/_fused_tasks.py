@@ -141,7 +141,7 @@ def task_fused_torch(args: Dict[str, Any]) -> dict:
         ref_x, ref_r = _fused.reference(s, r0, w, 1e-6)
         res[f"{dname}_eager_ok"] = bool(torch.equal(r, ref_r)) and int((ordered(x) - ordered(ref_x)).abs().max()) <= 1
 
-        def layer(a, b):
+        def layer(a, b, w=w):
             y = a * 1.0
             nt.all_reduce_add_rms_norm(y, b, w, 1e-6)
             return y + 0.0, b
