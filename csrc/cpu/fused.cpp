@@ -11,19 +11,79 @@
 // same order on every ISA, contraction off.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define NVRAR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define NVRAR_INLINE inline __attribute__((always_inline))
 #else
 #define NVRAR_CLONES
+#define NVRAR_INLINE inline
 #endif
 
 namespace nvrar {
 
 namespace {
 
+// A tile of fp32 values rounded to T: store_acc<T>, with bf16's NaN case as a select instead of a
+// branch (same bits as to_bf16), so the loop vectorizes.
 template <typename T>
-void epilogue_impl(void* out, void* res, const void* sum, const void* res_in, const void* w, size_t rows, size_t h,
+NVRAR_INLINE void round_tile(const float* a, T* t) {
+  for (int j = 0; j < kNormLanes; ++j) t[j] = store_acc<T>(a[j]);
+}
+template <>
+NVRAR_INLINE void round_tile<bf16>(const float* a, bf16* t) {
+  for (int j = 0; j < kNormLanes; ++j) {
+    uint32_t u;
+    std::memcpy(&u, &a[j], sizeof u);
+    const uint32_t nan = (u >> 16) | 0x40u;
+    const uint32_t rn = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    t[j].bits = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rn);
+  }
+}
+
+// One row of the epilogue in tiles of kNormLanes elements: the same IEEE operations in the same
+// order as add_rms_norm_row (protocol/epilogue.h), so the same bits, but each tile goes through
+// local arrays, which the compiler vectorizes (no aliasing between the caller's pointers to
+// rule out, no loop-carried dependence but the lanes' own sums). Tails run the generic code.
+template <typename T>
+NVRAR_INLINE void host_row(T* out, T* res, const T* sum, const T* res_in, const T* w, size_t h, float eps) {
+  constexpr int V = kNormLanes;
+  float p[V];
+  for (int j = 0; j < V; ++j) p[j] = 0.0f;
+  size_t i = 0;
+  for (; i + V <= h; i += V) {
+    float a[V];
+    T t[V];
+    for (int j = 0; j < V; ++j) a[j] = load_acc(res_in[i + j]) + load_acc(sum[i + j]);
+    round_tile(a, t);
+    for (int j = 0; j < V; ++j) {
+      const float rf = load_acc(t[j]);
+      p[j] = p[j] + rf * rf;
+    }
+    std::memcpy(res + i, t, sizeof t);
+  }
+  for (int j = 0; i + static_cast<size_t>(j) < h; ++j) {
+    const T r = store_acc<T>(load_acc(res_in[i + j]) + load_acc(sum[i + j]));
+    res[i + j] = r;
+    const float rf = load_acc(r);
+    p[j] = p[j] + rf * rf;
+  }
+  const float ms = fold_lanes(p) / static_cast<float>(h);
+  const float inv = 1.0f / sqrtf(ms + eps);
+  size_t k = 0;
+  for (; k + V <= h; k += V) {
+    float a[V];
+    T t[V];
+    for (int j = 0; j < V; ++j) a[j] = load_acc(res[k + j]) * inv * load_acc(w[k + j]);
+    round_tile(a, t);
+    std::memcpy(out + k, t, sizeof t);
+  }
+  for (; k < h; ++k) out[k] = store_acc<T>(load_acc(res[k]) * inv * load_acc(w[k]));
+}
+
+template <typename T>
+NVRAR_INLINE void epilogue_impl(void* out, void* res, const void* sum, const void* res_in, const void* w, size_t rows, size_t h,
                    float eps) {
-  add_rms_norm_rows(SoloGroup{}, static_cast<T*>(out), static_cast<T*>(res), static_cast<const T*>(sum),
-                    static_cast<const T*>(res_in), static_cast<const T*>(w), rows, h, eps);
+  for (size_t r = 0; r < rows; ++r)
+    host_row(static_cast<T*>(out) + r * h, static_cast<T*>(res) + r * h, static_cast<const T*>(sum) + r * h,
+             static_cast<const T*>(res_in) + r * h, static_cast<const T*>(w), h, eps);
 }
 
 NVRAR_CLONES void epilogue_f32(void* out, void* res, const void* sum, const void* res_in, const void* w, size_t rows,
