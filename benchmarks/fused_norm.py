@@ -6,6 +6,7 @@ unfused sequence, interleaved in the same run on the same ranks, medians per siz
   gloo    dist.all_reduce(x) (gloo);  the same add and norm
 
     python benchmarks/fused_norm.py                         # 2 local ranks, bf16, h 4096/8192, batch 1..16
+    python benchmarks/fused_norm.py --fused-algo one-shot    # the fused call one-shot, the rest auto
     python benchmarks/fused_norm.py --ranks 4 --ranks-per-node 2 --algo two-shot
 """
 
@@ -46,7 +47,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             def fused(bufs=bufs, x0=x0, w=w) -> None:
                 x, r = bufs["fused"]
                 x.copy_(x0)
-                comm.all_reduce_add_rms_norm(x, r, w, eps, algo=args.algo)
+                comm.all_reduce_add_rms_norm(x, r, w, eps, algo=args.fused_algo)
 
             def unfused(kind: str, bufs=bufs, x0=x0, w=w, h=h) -> None:
                 x, r = bufs[kind]
@@ -75,9 +76,10 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             worst = {k: max(m[k] for m in allmed) for k in med}
             rows.append({"h": h, "batch": batch, "dtype": args.dtype, "us": worst,
                          "fused_over_nvrar": worst["fused"] / worst["nvrar"],
-                         "variant": comm.algorithm_for(batch * h * x0.element_size(), args.algo)})
+                         "variant": comm.algorithm_for(batch * h * x0.element_size(), args.algo),
+                         "fused_variant": args.fused_algo or "auto"})
             if rank == 0:
-                print(f"h={h:5d} batch={batch:3d} {rows[-1]['variant']:8s} fused {worst['fused']:8.1f} us  "
+                print(f"h={h:5d} batch={batch:3d} {rows[-1]['variant']:8s} fused ({rows[-1]['fused_variant']}) {worst['fused']:8.1f} us  "
                       f"nvrar+add+norm {worst['nvrar']:8.1f} us  gloo+add+norm {worst['gloo']:8.1f} us  "
                       f"fused/nvrar {rows[-1]['fused_over_nvrar']:.2f}", flush=True)
     if rank == 0 and args.json:
@@ -96,10 +98,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--algo", default=None, help="one-shot / two-shot (default: auto)")
+    p.add_argument("--fused-algo", default=None, help="variant of the fused call only (default: --algo)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.fused_algo is None:
+        args.fused_algo = args.algo
     import socket
 
     import torch.multiprocessing as mp
