@@ -145,7 +145,7 @@ ext_modules = [
     Pybind11Extension(
         "nvrar._C",
         sources=["csrc/bindings.cpp", "csrc/bindings_common.cpp", "csrc/cpu/shm_heap.cpp", "csrc/cpu/executor.cpp",
-                 "csrc/cpu/reduce_kernels.cpp"],
+                 "csrc/cpu/reduce_kernels.cpp", "csrc/cpu/fused.cpp"],
         include_dirs=["csrc"],
         cxx_std=17,
         extra_compile_args=HOST_FLAGS,

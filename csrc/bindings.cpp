@@ -119,6 +119,16 @@ PYBIND11_MODULE(_C, m) {
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
           py::arg("variant") = 0)
       .def("mark_closed", &CpuExecutor::mark_closed)
+      .def(
+          "all_reduce_add_rms_norm",
+          [](CpuExecutor& ex, uintptr_t x, uintptr_t residual, uintptr_t weight, size_t rows, size_t h, int dtype,
+             float eps, int variant) {
+            ex.all_reduce_add_rms_norm(reinterpret_cast<void*>(x), reinterpret_cast<void*>(residual),
+                                       reinterpret_cast<const void*>(weight), rows, h, static_cast<DType>(dtype), eps,
+                                       static_cast<Variant>(variant));
+          },
+          py::arg("x_ptr"), py::arg("residual_ptr"), py::arg("weight_ptr"), py::arg("rows"), py::arg("h"),
+          py::arg("dtype"), py::arg("eps"), py::arg("variant") = 0, py::call_guard<py::gil_scoped_release>())
       .def("resolve",
            [](const CpuExecutor& ex, int variant, size_t bytes) {
              return static_cast<int>(ex.resolve(static_cast<Variant>(variant), bytes));

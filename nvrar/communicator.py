@@ -12,7 +12,7 @@ import functools
 import os
 import sys
 import weakref
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -236,6 +236,20 @@ class Communicator:
         acode = self._algorithm if algorithm is None else selector.algorithm_code(algorithm)
         self._all_reduce(ptr, optr, count, code, opc, acode)
         return x if out is None else out
+
+    def all_reduce_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
+                                algorithm: Optional[str] = None) -> Tuple[Any, Any]:
+        """Fused all-reduce + residual add + RMSNorm, in place (like vLLM's fused_add_rms_norm):
+        ``residual += all_reduce_sum(x)``, then ``x = rms_norm(residual) * weight``; returns
+        ``(x, residual)``. x and residual: shape (..., h); weight: (h,); one dtype (float32,
+        float16, bfloat16), contiguous, CPU. Sum, mean of squares and scaling in fp32, each output
+        rounded once; the norm reads the rounded new residual. residual and weight must be the same
+        on every rank; every rank ends with bitwise identical x and residual. Every rank must call
+        with the same shape, dtype and eps. See nvrar/_fused.py and docs/fused.md.
+        """
+        from . import _fused
+
+        return _fused.all_reduce_add_rms_norm(self, x, residual, weight, eps, algorithm)
 
     def _all_reduce_cuda(self, x: Any, op: Any, out: Any, algorithm: Optional[str], stream: Any) -> Any:
         tensor = _arrays.torch_tensor_type()

@@ -46,7 +46,7 @@ from ._torch_state import state_for_group
 from .communicator import Communicator
 from .errors import NvrarError
 
-__all__ = ["all_reduce", "patch", "communicator", "decide", "stats", "reset", "Work", "BACKEND",
+__all__ = ["all_reduce", "all_reduce_add_rms_norm", "patch", "communicator", "decide", "stats", "reset", "Work", "BACKEND",
            "NvrarProcessGroup"]
 
 BACKEND = _torch_backend.NAME
@@ -190,6 +190,53 @@ def _all_reduce_functional(tensor: torch.Tensor, op: str, group_name: str) -> to
 @_all_reduce_functional.register_fake
 def _(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+# -- fused all-reduce + residual add + RMSNorm --------------------------------------------------
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                            group: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``residual += all_reduce_sum(x)``, ``x = rms_norm(residual) * weight``; returns
+    ``(x, residual)`` (Communicator.all_reduce_add_rms_norm). Under torch.compile this records
+    ``torch.ops.nvrar.all_reduce_add_rms_norm_``. Where nvrar does not serve the group (another
+    device, a group nvrar cannot set up, non-contiguous tensors), the group's own all-reduce runs,
+    then the same fp32 add and norm in torch, on every rank alike (that path rounds the mean of
+    squares in torch's order: within a few ulp of nvrar's, not bitwise equal to it)."""
+    if torch.compiler.is_compiling():
+        torch.ops.nvrar.all_reduce_add_rms_norm_(x, residual, weight, float(eps), _group_name(group))
+        return x, residual
+    g = _resolve(group)
+    st = _state(g, x.device.type)
+    comm = st.comm
+    if (comm is not None and comm.device == "cpu" and x.is_contiguous() and residual.is_contiguous()
+            and weight.is_contiguous()):
+        st.counts["nvrar"] += 1
+        return comm.all_reduce_add_rms_norm(x, residual, weight, eps)
+    # Fallback. On a group of the nvrar backend the group's all-reduce is nvrar's own all-reduce.
+    st.counts["native"] += 1
+    summed = x.contiguous()  # collectives take contiguous tensors; a copy if x is not
+    _native_all_reduce(summed, dist.ReduceOp.SUM, group=g)
+    r = (residual.float() + summed.float()).to(residual.dtype)
+    rf = r.float()
+    out = rf * torch.rsqrt(rf.pow(2).mean(dim=-1, keepdim=True) + float(eps)) * weight.float()
+    residual.copy_(r)
+    x.copy_(out.to(x.dtype))
+    return x, residual
+
+
+torch.library.define("nvrar::all_reduce_add_rms_norm_",
+                     "(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()")
+
+
+@torch.library.impl("nvrar::all_reduce_add_rms_norm_", "CompositeExplicitAutograd")
+def _all_reduce_add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  group_name: str) -> None:
+    all_reduce_add_rms_norm(x, residual, weight, eps, _group_from_name(group_name))
+
+
+@torch.library.register_fake("nvrar::all_reduce_add_rms_norm_")
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_name: str) -> None:
+    return None
 
 
 # -- patch(): unchanged model code ---------------------------------------------------------------

@@ -394,6 +394,10 @@ def main() -> int:
         import _seg_tasks
 
         TASKS.update(_seg_tasks.TASKS)
+    elif task not in TASKS and task.startswith("fused_"):
+        import _fused_tasks
+
+        TASKS.update(_fused_tasks.TASKS)
     elif task not in TASKS and task.startswith("gpu_"):
         import _gpu_tasks
 

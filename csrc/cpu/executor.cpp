@@ -71,6 +71,7 @@ struct Cell {
   uint64_t count;  // the sender's call: count
   uint64_t code;   // the sender's call: dtype | op << 8 | variant << 16
   uint64_t n;      // the sender's round: elements
+  uint64_t shape;  // the sender's call: row length h of a fused call (all_reduce_add_rms_norm), else 0
 };
 static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
 
@@ -85,10 +86,13 @@ static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
 // only a peer stopped inside a window (a few microseconds per piece) can outlast it.
 inline uint64_t touch_word(uint64_t epoch, int target) { return (epoch << 24) | static_cast<uint64_t>(target + 1); }
 
-inline uint64_t call_code(DType dtype, RedOp op, Variant v) {
+// The code word of a call description: dtype | op << 8 | variant << 16, and a fused call's eps
+// bits << 32 (its op is kFusedOpCode, protocol/epilogue.h).
+inline uint64_t call_code(DType dtype, int32_t op, Variant v, float eps) {
   return static_cast<uint64_t>(static_cast<uint32_t>(dtype) & 0xffu) |
          (static_cast<uint64_t>(static_cast<uint32_t>(op) & 0xffu) << 8) |
-         (static_cast<uint64_t>(static_cast<uint32_t>(v) & 0xffu) << 16);
+         (static_cast<uint64_t>(static_cast<uint32_t>(v) & 0xffu) << 16) |
+         (op == kFusedOpCode ? static_cast<uint64_t>(float_bits(eps)) << 32 : 0);
 }
 
 inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -270,14 +274,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
               static_cast<int>(v));
   const uint32_t sig = call_signature(count, static_cast<int>(dtype), static_cast<int>(op), static_cast<int>(v));
 
-  auto* h = reinterpret_cast<SegmentHeader*>(heap_.mine());
-  h->call_epoch = epoch_ + 1;
-  h->call_count = count;
-  h->call_dtype = static_cast<int32_t>(dtype);
-  h->call_op = static_cast<int32_t>(op);
-  h->call_variant = static_cast<int32_t>(v);
-  call_count_ = count;
-  call_code_ = call_code(dtype, op, v);
+  note_call(count, dtype, static_cast<int32_t>(op), v, 0, 0.0f);
   intr_ = intr;
   struct ClearIntr {
     const Interrupt** p;
@@ -336,6 +333,7 @@ struct CpuTransport {
     store_relaxed(&c->count, ex->call_count_);
     store_relaxed(&c->code, ex->call_code_);
     store_relaxed(&c->n, ex->round_n_);
+    store_relaxed(&c->shape, ex->call_shape_);
     std::atomic_thread_fence(std::memory_order_release);
     auto* pk = reinterpret_cast<uint64_t*>(base(rank) + dst_off);
     const size_t n = ll_packets(bytes);
@@ -393,6 +391,34 @@ void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_
     two_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
 }
 
+void CpuExecutor::fused_round(const FusedSlice& s, Variant v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi,
+                              char* scratch) {
+  const uint64_t e = ++epoch_;
+  round_n_ = s.rows * s.h;
+  CpuTransport tp{this, fn, e};
+  if (v == Variant::kOneShot) {
+    one_shot_round(tp, round_cfg_, ws_, Slice{s.in, scratch, s.rows * s.h, s.es, 0, 0, false, false}, e, sig,
+                   make_scale(RedOp::kSum, 1));
+    epi(s.x_out, s.res, scratch, s.res, s.rows);
+  } else {
+    fused_two_shot_round(tp, round_cfg_, ws_, s, e, sig, epi);
+  }
+}
+
+// The call in flight (NOTE [call description]): its description, which every flag I send carries
+// and every flag I receive must match; a fused call adds its row length and eps.
+void CpuExecutor::note_call(uint64_t count, DType dtype, int32_t op, Variant v, uint64_t h, float eps) {
+  auto* hd = reinterpret_cast<SegmentHeader*>(heap_.mine());
+  hd->call_epoch = epoch_ + 1;
+  hd->call_count = count;
+  hd->call_dtype = static_cast<int32_t>(dtype);
+  hd->call_op = op;
+  hd->call_variant = static_cast<int32_t>(v);
+  call_count_ = count;
+  call_code_ = call_code(dtype, op, v, eps);
+  call_shape_ = h;
+}
+
 void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1) {
   auto* c = reinterpret_cast<Cell*>(heap_.base(peer) + cell_off);
   store_relaxed(&c->aux0, aux0);
@@ -400,6 +426,7 @@ void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0
   store_relaxed(&c->count, call_count_);
   store_relaxed(&c->code, call_code_);
   store_relaxed(&c->n, round_n_);
+  store_relaxed(&c->shape, call_shape_);
   store_release(&c->word, word);
   jitter();
 }
@@ -532,7 +559,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
 bool CpuExecutor::same_call(size_t cell_off) const {
   const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + cell_off);
   return load_relaxed(&c->count) == call_count_ && load_relaxed(&c->code) == call_code_ &&
-         load_relaxed(&c->n) == round_n_;
+         load_relaxed(&c->n) == round_n_ && load_relaxed(&c->shape) == call_shape_;
 }
 
 std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site) {
@@ -551,7 +578,8 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
     const int h = site.peer % where_.G;
     if (cell_off == layout_.ready_cell(p, h)) {
       record_advertised(site.peer, cell_off, site, epoch);
-    } else if (cell_off == layout_.final_cell(p, h)) {
+    } else if (cell_off == layout_.final_cell(p, h) && call_shape_ == 0) {
+      // (A fused call's final flag carries no offset: its rows were pushed into my staging.)
       // Where the peer's final shard lives: within its slots (result slot or a landing zone).
       const uint64_t off = load_relaxed(&c->aux0);
       const size_t es = static_cast<size_t>(dtype_size(static_cast<DType>(call_code_ & 0xff)));
@@ -597,15 +625,23 @@ void CpuExecutor::wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig
 
 std::string CpuExecutor::mismatch(int peer, size_t cell_off) const {
   const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + cell_off);
-  return "rank " + std::to_string(cfg_.rank) + " called " + describe_call(call_count_, call_code_) + " but rank " +
-         std::to_string(peer) + " called " + describe_call(load_relaxed(&c->count), load_relaxed(&c->code));
+  return "rank " + std::to_string(cfg_.rank) + " called " + describe_call(call_count_, call_code_, call_shape_) +
+         " but rank " + std::to_string(peer) + " called " +
+         describe_call(load_relaxed(&c->count), load_relaxed(&c->code), load_relaxed(&c->shape));
 }
 
-std::string CpuExecutor::describe_call(uint64_t count, uint64_t code) {
+std::string CpuExecutor::describe_call(uint64_t count, uint64_t code, uint64_t shape) {
   std::ostringstream os;
-  os << "all_reduce(count=" << count << ", dtype=" << dtype_name(static_cast<DType>(code & 0xff))
-     << ", op=" << op_name(static_cast<RedOp>((code >> 8) & 0xff))
-     << ", variant=" << variant_name(static_cast<Variant>((code >> 16) & 0xff)) << ")";
+  const auto dtype = static_cast<DType>(code & 0xff);
+  const auto op = static_cast<int32_t>((code >> 8) & 0xff);
+  const auto variant = static_cast<Variant>((code >> 16) & 0xff);
+  if (op == kFusedOpCode) {
+    os << "all_reduce_add_rms_norm(count=" << count << ", h=" << shape << ", dtype=" << dtype_name(dtype)
+       << ", eps=" << bits_float(static_cast<uint32_t>(code >> 32)) << ", variant=" << variant_name(variant) << ")";
+    return os.str();
+  }
+  os << "all_reduce(count=" << count << ", dtype=" << dtype_name(dtype) << ", op=" << op_name(static_cast<RedOp>(op))
+     << ", variant=" << variant_name(variant) << ")";
   return os.str();
 }
 

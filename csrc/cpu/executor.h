@@ -10,9 +10,11 @@
 #include <vector>
 
 #include "../common/error.h"
+#include "../protocol/epilogue.h"
 #include "../protocol/plan.h"
 #include "../protocol/round.h"
 #include "../protocol/types.h"
+#include "fused.h"
 #include "reduce_kernels.h"
 #include "shm_heap.h"
 
@@ -65,6 +67,11 @@ class CpuExecutor {
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant,
                   const Interrupt* intr = nullptr);
 
+  // Fused all-reduce + residual add + RMSNorm, in place (csrc/cpu/fused.cpp, NOTE [fused add +
+  // RMSNorm] in protocol/epilogue.h): x and residual are rows x h elements, weight h elements.
+  void all_reduce_add_rms_norm(void* x, void* residual, const void* weight, size_t rows, size_t h, DType dtype,
+                               float eps, Variant variant);
+
   // The variant kAuto resolves to for a message of `bytes`.
   Variant resolve(Variant v, size_t bytes) const;
 
@@ -94,6 +101,11 @@ class CpuExecutor {
   void round(const char* in, char* out, size_t n, size_t elem_size, bool in_pool, bool out_pool, Variant v,
              uint32_t sig, ReduceFn fn, Scale sc);
 
+  // One round of the fused call (protocol/epilogue.h); scratch: a private rows x h buffer (one-shot).
+  void fused_round(const FusedSlice& s, Variant v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi, char* scratch);
+  // Records this call in my segment header, for the other ranks' mismatch messages.
+  void note_call(uint64_t count, DType dtype, int32_t op, Variant v, uint64_t h, float eps);
+
   void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1);
   // Waits for the flag of round `epoch`; returns its aux words.
   std::pair<uint64_t, uint64_t> wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site);
@@ -110,7 +122,7 @@ class CpuExecutor {
   void quiesce(uint64_t epoch);
   bool peer_alive(int peer) const;
   // "all_reduce(count=..., dtype=..., op=..., variant=...)" from a call description (count, code).
-  static std::string describe_call(uint64_t count, uint64_t code);
+  static std::string describe_call(uint64_t count, uint64_t code, uint64_t shape);
   // "rank R called all_reduce(...) but rank P called all_reduce(...)", from the description in
   // the flag cell at cell_off (written by the peer with its flag).
   std::string mismatch(int peer, size_t cell_off) const;
@@ -150,10 +162,12 @@ class CpuExecutor {
   uint64_t call_count_ = 0;
   uint64_t call_code_ = 0;                  // dtype | op << 8 | variant << 16
   uint64_t round_n_ = 0;                    // elements of the round in flight
+  uint64_t call_shape_ = 0;                 // row length h of a fused call in flight, else 0
   const Interrupt* intr_ = nullptr;         // the caller's interrupt hook, during a call
   std::vector<uint64_t> adv_in_;            // per local rank: private input address it advertised (cma), or 0
   std::vector<uint64_t> adv_out_;           // per local rank: private output address it advertised (cma), or 0
   std::vector<uint64_t> adv_bytes_;         // per local rank: bytes of the round it advertised
+  std::vector<char> fused_scratch_;         // one-shot sums of the fused call
 };
 
 }  // namespace nvrar

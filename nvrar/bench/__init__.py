@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
                    help="comma list of nvrar, mpi, gloo (CPU peers), nccl, nvshmem (GPU peers)")
     p.add_argument("--algorithms", default=None,
-                   help=f"nvrar algorithms to measure, comma list (default {_ALGORITHMS})")
+                   help=f"nvrar algorithms to measure, comma list (default {_ALGORITHMS}); add-rms-norm adds the fused "
+                        "all-reduce + residual add + RMSNorm")
     p.add_argument("--algos", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --algorithms
     p.add_argument("--buffers", default="ordinary,symmetric",
                    help="nvrar buffers, comma list: ordinary arrays, and/or symmetric ones from "

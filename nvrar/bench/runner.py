@@ -16,6 +16,7 @@ from .. import __version__
 from ..bootstrap import SingleBootstrap, mpi_launched
 from ..communicator import Communicator
 from . import report
+from .fused import FUSED_ALGO, NvrarFusedBackend
 from .backends import (DTYPES, Backend, GlooBackend, MPIBackend, NCCLBackend, NvrarBackend, NvshmemBackend,
                        available_cpu_model, cpu_count, gpu_model)
 
@@ -291,7 +292,9 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     if "nvrar" in names:
         algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
         modes = [m.strip() for m in args.buffers.split(",") if m.strip()]
-        backends += [NvrarBackend(comm, a, mode == "symmetric") for mode in modes for a in algorithms]
+        backends += [NvrarBackend(comm, a, mode == "symmetric") for mode in modes for a in algorithms if a != FUSED_ALGO]
+        if FUSED_ALGO in algorithms:
+            backends.append(NvrarFusedBackend(comm))
     if "mpi" in names:
         backends.append(MPIBackend() if args.device == "cpu" else _skip("mpi", "CPU peer; GPU runs compare NCCL"))
     if "gloo" in names:
