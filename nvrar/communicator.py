@@ -330,9 +330,12 @@ class Communicator:
         # with the names, so that every rank raises at construction and none waits for another.
         created = {"segment": "", "error": ""}
         try:
-            self._ex = _C.CpuExecutor(self._rank, self._world, G, st["max_bytes"], st["heap_bytes"], oneshot,
-                                      st["timeout"], st["jitter_us"], st["jitter_seed"], st["cma"], st["cma_min"],
-                                      selector.cma_piece_bytes("cpu", G), st["ll_max"], secret=secret)
+            self._ex = _C.CpuExecutor(rank=self._rank, world=self._world, ranks_per_node=G,
+                                      max_bytes=st["max_bytes"], pool_bytes=st["heap_bytes"],
+                                      oneshot_max_bytes=oneshot, timeout_s=st["timeout"], jitter_us=st["jitter_us"],
+                                      jitter_seed=st["jitter_seed"], cma=st["cma"], cma_min_bytes=st["cma_min"],
+                                      cma_piece_bytes=selector.cma_piece_bytes("cpu", G),
+                                      ll_max_bytes=st["ll_max"], secret=secret)
             created["segment"] = self._ex.segment_name
         except NvrarError as exc:
             created["error"] = str(exc)
@@ -376,9 +379,10 @@ class Communicator:
             raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {s}" for r, s in failed))
         uid = boot.allgather(mod.unique_id() if self._rank == 0 else b"")[0]
         self._cuda_device = status["device"]
-        self._ex = mod.GpuExecutor(self._rank, self._world, G, status["device"], st["max_bytes"], st["heap_bytes"],
-                                   oneshot, ll, st["timeout"], launch["max_blocks"], launch["threads"],
-                                   launch["block_bytes"], uid)
+        self._ex = mod.GpuExecutor(rank=self._rank, world=self._world, ranks_per_node=G, device=status["device"],
+                                   max_bytes=st["max_bytes"], pool_bytes=st["heap_bytes"], oneshot_max_bytes=oneshot,
+                                   ll_max_bytes=ll, timeout_s=st["timeout"], max_blocks=launch["max_blocks"],
+                                   threads=launch["threads"], block_bytes=launch["block_bytes"], uid=uid)
         for line in mod.env_set_by_nvrar():
             _log.info("nvrar: set %s (not set by the user)", line)
 

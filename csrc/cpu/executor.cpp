@@ -44,7 +44,7 @@ struct SegmentHeader {
   uint64_t call_count;
   int32_t call_dtype;
   int32_t call_op;
-  int32_t call_variant;
+  int32_t call_algorithm;
   int32_t pad;
   char error_text[2048];  // the message of this rank's failure, for the ranks it aborts
   // Appended fields (after error_text, so that the offsets above never move).
@@ -58,7 +58,7 @@ static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header mus
 // NOTE [call description]
 // The 16-bit signature of a flag word is a quick check only: two different calls can share it
 // (count 100000 and 131409, float32 two-shot, do). So every flag cell also carries the sender's
-// full call description (count, dtype/op/variant code, elements of this round), stored before
+// full call description (count, dtype/op/algorithm code, elements of this round), stored before
 // the flag word with the same release, and every wait compares it with its own before it uses
 // the peer's data or any offset or address the flag carries. LL packets (protocol/ll.h) carry
 // only the 16-bit flag: their sender stores the description into the step's inter cell before
@@ -69,7 +69,7 @@ struct Cell {
   uint64_t aux0;   // ready: byte offset of the sender's input; final: offset of its final shard
   uint64_t aux1;   // ready: OutRef of the sender's output (protocol/plan.h)
   uint64_t count;  // the sender's call: count
-  uint64_t code;   // the sender's call: dtype | op << 8 | variant << 16
+  uint64_t code;   // the sender's call: dtype | op << 8 | algorithm << 16
   uint64_t n;      // the sender's round: elements
 };
 static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
@@ -85,7 +85,7 @@ static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
 // only a peer stopped inside a window (a few microseconds per piece) can outlast it.
 inline uint64_t touch_word(uint64_t epoch, int target) { return (epoch << 24) | static_cast<uint64_t>(target + 1); }
 
-inline uint64_t call_code(DType dtype, RedOp op, Variant v) {
+inline uint64_t call_code(DType dtype, RedOp op, Algorithm v) {
   return static_cast<uint64_t>(static_cast<uint32_t>(dtype) & 0xffu) |
          (static_cast<uint64_t>(static_cast<uint32_t>(op) & 0xffu) << 8) |
          (static_cast<uint64_t>(static_cast<uint32_t>(v) & 0xffu) << 16);
@@ -238,12 +238,12 @@ bool CpuExecutor::probe_cma() const {
   return true;
 }
 
-Variant CpuExecutor::resolve(Variant v, size_t bytes) const {
-  if (v != Variant::kAuto) return v;
-  return bytes <= cfg_.oneshot_max_bytes ? Variant::kOneShot : Variant::kTwoShot;
+Algorithm CpuExecutor::resolve(Algorithm v, size_t bytes) const {
+  if (v != Algorithm::kAuto) return v;
+  return bytes <= cfg_.oneshot_max_bytes ? Algorithm::kOneShot : Algorithm::kTwoShot;
 }
 
-void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant,
+void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                              const Interrupt* intr) {
   // Second line behind the Python check: a forked child would write into its parent's segment
   // and, through cross-memory access, let peers write into the parent's buffers.
@@ -265,8 +265,8 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
     if (in != out) std::memmove(out, in, count * es);
     return;
   }
-  const Variant v = resolve(variant, count * es);
-  NVRAR_CHECK(v == Variant::kTwoShot || v == Variant::kOneShot, "all_reduce: unknown variant code ",
+  const Algorithm v = resolve(algorithm, count * es);
+  NVRAR_CHECK(v == Algorithm::kTwoShot || v == Algorithm::kOneShot, "all_reduce: unknown algorithm code ",
               static_cast<int>(v));
   const uint32_t sig = call_signature(count, static_cast<int>(dtype), static_cast<int>(op), static_cast<int>(v));
 
@@ -275,7 +275,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   h->call_count = count;
   h->call_dtype = static_cast<int32_t>(dtype);
   h->call_op = static_cast<int32_t>(op);
-  h->call_variant = static_cast<int32_t>(v);
+  h->call_algorithm = static_cast<int32_t>(v);
   call_count_ = count;
   call_code_ = call_code(dtype, op, v);
   intr_ = intr;
@@ -285,7 +285,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   } clear_intr{&intr_};
 
   size_t chunk_bytes = cfg_.max_bytes;
-  if (v == Variant::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.oneshot_chunk_bytes());
+  if (v == Algorithm::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.oneshot_chunk_bytes());
   const size_t chunk = chunk_bytes / es;
 
   // Zero-copy: an input that lives in my pool is read by the peers where it is; an output in my
@@ -381,13 +381,13 @@ struct CpuTransport {
   void jitter() { ex->jitter(); }
 };
 
-void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Variant v,
+void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Algorithm v,
                         uint32_t sig, ReduceFn fn, Scale sc) {
   const uint64_t e = ++epoch_;
   round_n_ = n;
   CpuTransport tp{this, fn, e};
   Slice s{in, out, n, es, 0, 0, in_pool, out_pool};
-  if (v == Variant::kOneShot)
+  if (v == Algorithm::kOneShot)
     one_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
   else
     two_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
@@ -605,7 +605,7 @@ std::string CpuExecutor::describe_call(uint64_t count, uint64_t code) {
   std::ostringstream os;
   os << "all_reduce(count=" << count << ", dtype=" << dtype_name(static_cast<DType>(code & 0xff))
      << ", op=" << op_name(static_cast<RedOp>((code >> 8) & 0xff))
-     << ", variant=" << variant_name(static_cast<Variant>((code >> 16) & 0xff)) << ")";
+     << ", algorithm=" << algorithm_name(static_cast<Algorithm>((code >> 16) & 0xff)) << ")";
   return os.str();
 }
 

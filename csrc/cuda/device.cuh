@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../common/error.h"
 #include "../protocol/ll.h"
 #include "../protocol/phase.h"
 #include "../protocol/plan.h"
@@ -25,9 +26,13 @@ constexpr int kMaxLocal = 72;
 // 128 registers, so that 512 threads fit an SM on sm_80 and sm_90.
 constexpr int kMaxThreads = 512;
 
-// ProtocolError::Kind values (common/error.h), as the device records them.
+// ProtocolError::Kind values (common/error.h, their one definition), as the device records them.
 using ProtocolErrorKindCode = unsigned;
-constexpr ProtocolErrorKindCode kTimeoutCode = 1, kMismatchCode = 2, kPeerAbortCode = 3, kViolationCode = 4;
+constexpr ProtocolErrorKindCode kind_code(ProtocolError::Kind k) { return static_cast<ProtocolErrorKindCode>(k); }
+constexpr ProtocolErrorKindCode kTimeoutCode = kind_code(ProtocolError::Kind::kTimeout);
+constexpr ProtocolErrorKindCode kMismatchCode = kind_code(ProtocolError::Kind::kMismatch);
+constexpr ProtocolErrorKindCode kPeerAbortCode = kind_code(ProtocolError::Kind::kPeerAbort);
+constexpr ProtocolErrorKindCode kViolationCode = kind_code(ProtocolError::Kind::kViolation);
 
 // NOTE [gpu deadlines]: every wait polls with %globaltimer (nanoseconds, not clock cycles) against
 // the communicator's timeout, and checks this rank's abort cell. On expiry, mismatch or abort the
@@ -63,7 +68,7 @@ struct KernelParams {
   size_t count;
   size_t chunk_elems;
   int es;
-  int variant;  // Variant, resolved
+  Algorithm algorithm;  // resolved (never kAuto)
   uint32_t sig;
   Scale sc;
   bool in_pool;

@@ -1,6 +1,6 @@
 // GPU executor runtime: NVSHMEM initialization (or joining an existing one), the symmetric
 // segment, peer mappings, the device state and the host-mapped error record, and the host side
-// of every call (variant, chunking, slices, signature; then one kernel launch).
+// of every call (algorithm, chunking, slices, signature; then one kernel launch).
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -276,9 +276,9 @@ uintptr_t GpuExecutor::pool_address() const {
 }
 size_t GpuExecutor::pool_bytes() const { return impl_->layout.pool_bytes; }
 
-Variant GpuExecutor::resolve(Variant v, size_t bytes) const {
-  if (v != Variant::kAuto) return v;
-  return bytes <= impl_->cfg.oneshot_max_bytes ? Variant::kOneShot : Variant::kTwoShot;
+Algorithm GpuExecutor::resolve(Algorithm v, size_t bytes) const {
+  if (v != Algorithm::kAuto) return v;
+  return bytes <= impl_->cfg.oneshot_max_bytes ? Algorithm::kOneShot : Algorithm::kTwoShot;
 }
 
 uint64_t GpuExecutor::epoch() {
@@ -329,7 +329,7 @@ void GpuExecutor::check(uintptr_t stream) {
   I.raise_recorded();
 }
 
-void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Variant variant,
+void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                              uintptr_t stream) {
   Impl& I = *impl_;
   NVRAR_CHECK(!I.closed, "all_reduce: the communicator is closed");
@@ -344,13 +344,13 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
                                                     bytes, cudaMemcpyDeviceToDevice, s));
     return;
   }
-  const Variant v = resolve(variant, bytes);
-  NVRAR_CHECK(v == Variant::kTwoShot || v == Variant::kOneShot, "all_reduce: unknown variant");
+  const Algorithm v = resolve(algorithm, bytes);
+  NVRAR_CHECK(v == Algorithm::kTwoShot || v == Algorithm::kOneShot, "all_reduce: unknown algorithm");
   // Slices: one block per block_bytes, at most max_blocks; every rank computes the same.
   const int B = static_cast<int>(std::min<size_t>(static_cast<size_t>(I.cfg.max_blocks),
                                                   std::max<size_t>(1, ceil_div(bytes, I.cfg.block_bytes))));
   size_t chunk_bytes = I.cfg.max_bytes / static_cast<size_t>(I.cfg.max_blocks) * static_cast<size_t>(B);
-  if (v == Variant::kOneShot && I.where.N > 1)
+  if (v == Algorithm::kOneShot && I.where.N > 1)
     chunk_bytes = std::min(chunk_bytes, I.layout.oneshot_chunk_bytes() / static_cast<size_t>(I.cfg.max_blocks) *
                                             static_cast<size_t>(B));
   chunk_bytes = std::max<size_t>(chunk_bytes / 64 * 64, 64);
@@ -361,7 +361,7 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
   kp.count = count;
   kp.chunk_elems = chunk_bytes / es;
   kp.es = static_cast<int>(es);
-  kp.variant = static_cast<int>(v);
+  kp.algorithm = v;
   kp.sig = call_signature(count, static_cast<int>(dtype), static_cast<int>(op), static_cast<int>(v));
   kp.sc = make_scale(op, I.cfg.world);
   kp.in_pool = in >= pool && in + bytes <= pool + I.layout.pool_bytes;
