@@ -85,12 +85,6 @@ static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
 // only a peer stopped inside a window (a few microseconds per piece) can outlast it.
 inline uint64_t touch_word(uint64_t epoch, int target) { return (epoch << 24) | static_cast<uint64_t>(target + 1); }
 
-inline uint64_t call_code(DType dtype, RedOp op, Algorithm v) {
-  return static_cast<uint64_t>(static_cast<uint32_t>(dtype) & 0xffu) |
-         (static_cast<uint64_t>(static_cast<uint32_t>(op) & 0xffu) << 8) |
-         (static_cast<uint64_t>(static_cast<uint32_t>(v) & 0xffu) << 16);
-}
-
 inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -173,6 +167,8 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
   round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes};
+  limits_ = CallLimits{cfg_.world, where_.N, cfg_.max_bytes, cfg_.oneshot_max_bytes, layout_.oneshot_chunk_bytes(),
+                       1, 0, reinterpret_cast<uintptr_t>(pool_base()), layout_.pool_bytes};
 }
 
 void CpuExecutor::enable_cma(bool on) {
@@ -238,9 +234,8 @@ bool CpuExecutor::probe_cma() const {
   return true;
 }
 
-Algorithm CpuExecutor::resolve(Algorithm v, size_t bytes) const {
-  if (v != Algorithm::kAuto) return v;
-  return bytes <= cfg_.oneshot_max_bytes ? Algorithm::kOneShot : Algorithm::kTwoShot;
+Algorithm CpuExecutor::resolve(Algorithm a, size_t bytes) const {
+  return resolve_algorithm(a, bytes, cfg_.oneshot_max_bytes);
 }
 
 void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
@@ -257,51 +252,37 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   NVRAR_CHECK(heap_.mine() != nullptr, "all_reduce: the communicator is closed");
   NVRAR_CHECK(heap_.attached() || cfg_.world == 1, "all_reduce: the communicator is not set up");
   if (count == 0) return;
-  const size_t es = static_cast<size_t>(dtype_size(dtype));
-  NVRAR_CHECK(count <= SIZE_MAX / es, "all_reduce: count ", count, " overflows");
+  const CallPlan c = plan_call(limits_, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out), count,
+                               dtype, op, algorithm);
   const ReduceFn fn = cpu_reduce_fn(dtype, op);
-  const Scale sc = make_scale(op, cfg_.world);
   if (cfg_.world == 1) {
-    if (in != out) std::memmove(out, in, count * es);
+    if (in != out) std::memmove(out, in, c.bytes);
     return;
   }
-  const Algorithm v = resolve(algorithm, count * es);
-  NVRAR_CHECK(v == Algorithm::kTwoShot || v == Algorithm::kOneShot, "all_reduce: unknown algorithm code ",
-              static_cast<int>(v));
-  const uint32_t sig = call_signature(count, static_cast<int>(dtype), static_cast<int>(op), static_cast<int>(v));
 
   auto* h = reinterpret_cast<SegmentHeader*>(heap_.mine());
   h->call_epoch = epoch_ + 1;
   h->call_count = count;
   h->call_dtype = static_cast<int32_t>(dtype);
   h->call_op = static_cast<int32_t>(op);
-  h->call_algorithm = static_cast<int32_t>(v);
+  h->call_algorithm = static_cast<int32_t>(c.algorithm);
   call_count_ = count;
-  call_code_ = call_code(dtype, op, v);
+  call_code_ = call_code(dtype, op, c.algorithm);
   intr_ = intr;
   struct ClearIntr {
     const Interrupt** p;
     ~ClearIntr() { *p = nullptr; }
   } clear_intr{&intr_};
 
-  size_t chunk_bytes = cfg_.max_bytes;
-  if (v == Algorithm::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.oneshot_chunk_bytes());
-  const size_t chunk = chunk_bytes / es;
-
   // Zero-copy: an input that lives in my pool is read by the peers where it is; an output in my
-  // pool is written by the peers directly.
+  // pool is written by the peers directly (c.in_pool, c.out_pool).
   const char* pin = static_cast<const char*>(in);
   char* pout = static_cast<char*>(out);
-  const char* pool = pool_base();
-  const bool in_pool = pin >= pool && pin + count * es <= pool + layout_.pool_bytes;
-  const bool out_pool = pout >= pool && pout + count * es <= pool + layout_.pool_bytes;
-
-  for (size_t off = 0; off < count; off += chunk) {
-    const size_t n = std::min(chunk, count - off);
-    round(pin + off * es, pout + off * es, n, es, in_pool, out_pool, v, sig, fn, sc);
+  for (size_t off = 0; off < count; off += c.chunk_elems) {
+    const size_t n = std::min(c.chunk_elems, count - off);
+    round(pin + off * c.es, pout + off * c.es, n, c.es, c.in_pool, c.out_pool, c.algorithm, c.sig, fn, c.sc);
   }
 }
-
 
 // The CPU side of the Transport concept of protocol/round.h: a group of one, shared-memory
 // loads and stores, process_vm_readv/writev for private buffers. Failures throw.
@@ -462,7 +443,7 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
   const size_t h = static_cast<size_t>(peer - where_.rank_of(where_.node, 0));
   const uint64_t in_ref = load_relaxed(&c->aux0);
   const uint64_t out_ref = load_relaxed(&c->aux1);
-  const uint64_t bytes = load_relaxed(&c->n) * static_cast<uint64_t>(dtype_size(static_cast<DType>(call_code_ & 0xff)));
+  const uint64_t bytes = load_relaxed(&c->n) * static_cast<uint64_t>(dtype_size(code_dtype(call_code_)));
   adv_bytes_[h] = bytes;
   adv_in_[h] = ref_kind(in_ref) == kRefCma ? ref_value(in_ref) : 0;
   adv_out_[h] = ref_kind(out_ref) == kRefCma ? ref_value(out_ref) : 0;
@@ -503,9 +484,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
     }
     const auto now = clock::now();
     if (now >= deadline) {
-      std::ostringstream os;
-      os << "timed out after " << cfg_.timeout_s << " s";
-      fail(ProtocolError::Kind::kTimeout, os.str(), site, epoch, observed());
+      fail(ProtocolError::Kind::kTimeout, timeout_text(cfg_.timeout_s), site, epoch, observed());
     }
     if (now >= next_liveness) {
       if (!peer_alive(site.peer)) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
@@ -554,7 +533,7 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
     } else if (cell_off == layout_.final_cell(p, h)) {
       // Where the peer's final shard lives: within its slots (result slot or a landing zone).
       const uint64_t off = load_relaxed(&c->aux0);
-      const size_t es = static_cast<size_t>(dtype_size(static_cast<DType>(call_code_ & 0xff)));
+      const size_t es = static_cast<size_t>(dtype_size(code_dtype(call_code_)));
       const size_t bytes = shard_range(round_n_, static_cast<int>(es), where_.G, h).size() * es;
       if (off < layout_.result_off || off > layout_.llzones_off || bytes > layout_.llzones_off - off)
         fail(ProtocolError::Kind::kViolation,
@@ -601,14 +580,6 @@ std::string CpuExecutor::mismatch(int peer, size_t cell_off) const {
          std::to_string(peer) + " called " + describe_call(load_relaxed(&c->count), load_relaxed(&c->code));
 }
 
-std::string CpuExecutor::describe_call(uint64_t count, uint64_t code) {
-  std::ostringstream os;
-  os << "all_reduce(count=" << count << ", dtype=" << dtype_name(static_cast<DType>(code & 0xff))
-     << ", op=" << op_name(static_cast<RedOp>((code >> 8) & 0xff))
-     << ", algorithm=" << algorithm_name(static_cast<Algorithm>((code >> 16) & 0xff)) << ")";
-  return os.str();
-}
-
 bool CpuExecutor::peer_alive(int peer) const {
   const uint64_t known = peer_start_times_[static_cast<size_t>(peer)];
   if (known == 0) return true;  // cannot tell (another pid namespace): the deadline decides
@@ -619,11 +590,7 @@ bool CpuExecutor::peer_alive(int peer) const {
 
 void CpuExecutor::fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,
                        uint64_t observed) {
-  std::ostringstream os;
-  os << "nvrar: rank " << cfg_.rank << ": " << what << " (phase " << phase_name(site.phase) << ", step " << site.step
-     << ", waiting for rank " << site.peer << ", expected epoch " << epoch << ", observed epoch " << observed
-     << ")";
-  const std::string msg = os.str();
+  const std::string msg = failure_text(cfg_.rank, what, site.phase, site.step, site.peer, epoch, observed);
   failure_ = msg;
   // Abort every peer: they raise at once instead of waiting for their own deadlines.
   auto* h = reinterpret_cast<SegmentHeader*>(heap_.mine());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../common/error.h"
+#include "../protocol/call.h"
 #include "../protocol/plan.h"
 #include "../protocol/round.h"
 #include "../protocol/types.h"
@@ -111,8 +112,6 @@ class CpuExecutor {
   [[noreturn]] void fail_from_abort(const Site& site, uint64_t epoch);
   void quiesce(uint64_t epoch);
   bool peer_alive(int peer) const;
-  // "all_reduce(count=..., dtype=..., op=..., algorithm=...)" from a call description (count, code).
-  static std::string describe_call(uint64_t count, uint64_t code);
   // "rank R called all_reduce(...) but rank P called all_reduce(...)", from the description in
   // the flag cell at cell_off (written by the peer with its flag).
   std::string mismatch(int peer, size_t cell_off) const;
@@ -144,6 +143,7 @@ class CpuExecutor {
   uint64_t exposed_epoch_ = 0;              // last round whose ready flags exposed my private buffers
   Workspace ws_{};                          // views of the vectors above, for protocol/round.h
   RoundConfig round_cfg_{};
+  CallLimits limits_{};                     // what the configuration fixes for every call (protocol/call.h)
   uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
   uint64_t rng_ = 0;
   std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
