@@ -1,4 +1,5 @@
 #include "executor.h"
+#include "segment.h"
 
 #include <sched.h>
 #include <sys/uio.h>
@@ -17,86 +18,12 @@ namespace nvrar {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x314741455352564eull;  // "NVRSEAG1", little-endian
-constexpr uint32_t kVersion = 1;
-constexpr size_t kCellStride = 64;                   // one cache line per flag cell
 constexpr size_t kMinChunkBytes = 256;               // smallest max_bytes accepted (bytes)
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a waiter checks its peer's process
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
 constexpr double kQuiesceMaxS = 1.0;  // longest a failing rank waits for a peer's cross-memory transfer window (s)
 constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
-
-// Host-side header at the start of every segment (page 0). Written by its owner at creation;
-// the call fields are rewritten (relaxed) at the start of every call, before its first flag.
-struct SegmentHeader {
-  uint64_t magic;
-  uint32_t version;
-  int32_t rank;
-  int32_t world;
-  int32_t ranks_per_node;
-  uint64_t config_hash;
-  int64_t pid;
-  uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
-  uint64_t self_base;   // where the owner maps this segment (target of the cross-memory probe)
-  uint64_t failed_epoch;  // != 0: the owner failed in this round and no longer touches any peer's memory
-  uint64_t call_epoch;
-  uint64_t call_count;
-  int32_t call_dtype;
-  int32_t call_op;
-  int32_t call_algorithm;
-  int32_t pad;
-  char error_text[2048];  // the message of this rank's failure, for the ranks it aborts
-  // Appended fields (after error_text, so that the offsets above never move).
-  uint64_t closed;        // != 0: the owner closed its communicator; it takes part in no round any more
-  uint64_t touch;         // touch_word(epoch, target) while the owner transfers to or from a peer's
-                          // private memory (NOTE [transfer windows]); 0 otherwise
-  uint8_t secret[kSecretBytes];  // the session's secret (CpuConfig::secret): every attaching rank checks it
-};
-static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
-
-// NOTE [call description]
-// The 16-bit signature of a flag word is a quick check only: two different calls can share it
-// (count 100000 and 131409, float32 two-shot, do). So every flag cell also carries the sender's
-// full call description (count, dtype/op/algorithm code, elements of this round), stored before
-// the flag word with the same release, and every wait compares it with its own before it uses
-// the peer's data or any offset or address the flag carries. LL packets (protocol/ll.h) carry
-// only the 16-bit flag: their sender stores the description into the step's inter cell before
-// the packets (and the flag word after them). The buffers a ready flag advertises are bounded
-// by the round's bytes, and every cross-memory transfer is checked against them.
-struct Cell {
-  uint64_t word;
-  uint64_t aux0;   // ready: byte offset of the sender's input; final: offset of its final shard
-  uint64_t aux1;   // ready: OutRef of the sender's output (protocol/plan.h)
-  uint64_t count;  // the sender's call: count
-  uint64_t code;   // the sender's call: dtype | op << 8 | algorithm << 16
-  uint64_t n;      // the sender's round: elements
-};
-static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
-
-// NOTE [transfer windows]
-// A rank that failed returns to its caller, who may free or reuse the buffers its ready flag
-// exposed to cross-memory access. So every process_vm_readv/writev of a peer's private memory
-// runs inside a window: the transferring rank stores touch_word(e, target) into its own header,
-// fences, and only then checks that the target has not failed (its failed_epoch); the failing
-// rank stores its failed_epoch, fences, and then waits until no local peer's window names it.
-// Of two such sequences at least one sees the other's store (Dekker): either the transfer is
-// refused, or the failing rank waits for its window to close. The wait is bounded (kQuiesceMaxS):
-// only a peer stopped inside a window (a few microseconds per piece) can outlast it.
-inline uint64_t touch_word(uint64_t epoch, int target) { return (epoch << 24) | static_cast<uint64_t>(target + 1); }
-
-inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-inline uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-inline void store_relaxed(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 uint64_t config_hash(const CpuConfig& c, const SegmentLayout& L) {
   uint64_t fields[] = {kVersion, static_cast<uint64_t>(c.world), static_cast<uint64_t>(c.ranks_per_node),
@@ -215,8 +142,7 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
                 " was created with a different configuration (ranks_per_node ", h->ranks_per_node, " vs ",
                 cfg_.ranks_per_node, ", or max_bytes / heap size / one-shot threshold differ); every rank must "
                 "use the same settings");
-    if (r != cfg_.rank && h->start_time != 0 && proc_stat(h->pid).first == h->start_time)
-      peer_start_times_[static_cast<size_t>(r)] = h->start_time;
+    if (r != cfg_.rank) peer_start_times_[static_cast<size_t>(r)] = owner_start_time(h);
   }
 }
 
@@ -581,11 +507,8 @@ std::string CpuExecutor::mismatch(int peer, size_t cell_off) const {
 }
 
 bool CpuExecutor::peer_alive(int peer) const {
-  const uint64_t known = peer_start_times_[static_cast<size_t>(peer)];
-  if (known == 0) return true;  // cannot tell (another pid namespace): the deadline decides
-  const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(peer));
-  const auto st = proc_stat(h->pid);
-  return st.first == known && st.second != 'Z' && st.second != 'X';
+  return owner_alive(reinterpret_cast<const SegmentHeader*>(heap_.base(peer)),
+                     peer_start_times_[static_cast<size_t>(peer)]);
 }
 
 void CpuExecutor::fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,

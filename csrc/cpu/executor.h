@@ -19,8 +19,6 @@
 
 namespace nvrar {
 
-constexpr size_t kSecretBytes = 16;  // the session secret every segment header carries
-
 // Every field is set by the caller: the defaults live in one place, Python's settings object
 // (nvrar/settings.py), which passes each of them to the binding. Zero here means "not set" and
 // fails the checks of the constructor where zero is not a valid value.
@@ -148,7 +146,7 @@ class CpuExecutor {
   uint64_t rng_ = 0;
   std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
   // The call in flight, carried by every flag I send and compared with every flag I receive
-  // (NOTE [call description], executor.cpp).
+  // (NOTE [call description], segment.h).
   uint64_t call_count_ = 0;
   uint64_t call_code_ = 0;                  // dtype | op << 8 | algorithm << 16
   uint64_t round_n_ = 0;                    // elements of the round in flight

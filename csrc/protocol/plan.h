@@ -55,7 +55,7 @@ namespace nvrar {
 // every pair of calls apart (count 100000 and 131409, float32 two-shot, share a signature): the
 // CPU executor also carries the full call description in every flag cell and compares it, and
 // bounds every cross-memory transfer by the buffer the peer advertised (NOTE [call description]
-// in csrc/cpu/executor.cpp). The GPU transport still compares the signature only.
+// in csrc/cpu/segment.h). The GPU transport still compares the signature only.
 //
 // Why parity slots are enough. Write "A(e) -> B(e')" for "A cannot pass point X of round e before B
 // reached point Y of round e'". Three facts hold for every rank r:
