@@ -123,7 +123,6 @@ NVRAR_HD const char* algorithm_name(Algorithm v) {
 constexpr int kAlignBytes = 16;       // shard bounds and chunk starts keep 16-byte alignment (GPU vector loads)
 constexpr int kSigBits = 16;          // low bits of a flag word: call signature
 constexpr uint64_t kSigMask = (uint64_t{1} << kSigBits) - 1;
-constexpr int kMaxInterSteps = 31;    // log2 of the largest node count we can address
 
 NVRAR_HD uint64_t flag_word(uint64_t epoch, uint32_t sig) { return (epoch << kSigBits) | (sig & kSigMask); }
 NVRAR_HD uint64_t flag_epoch(uint64_t word) { return word >> kSigBits; }
@@ -385,10 +384,6 @@ struct SegmentLayout {
   }
   NVRAR_HD size_t llout(int parity, int slot, int b = 0) const {
     return llout_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * ll_slice_bytes;
-  }
-  // Offset of the accumulator location `slot` as returned by InterSchedule (-1 = result slot).
-  NVRAR_HD size_t acc_location(int parity, int slot, int b = 0) const {
-    return slot < 0 ? result(parity, b) : zone(parity, slot, b);
   }
   // Largest chunk (bytes) whose every slice fits a zone slice whole: the one-shot algorithm across
   // nodes sends whole slices, not shards.
