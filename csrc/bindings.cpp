@@ -52,7 +52,7 @@ PYBIND11_MODULE(_C, m) {
   // The codes of csrc/protocol/types.h and plan.h, for Python to derive its tables from (one definition).
   m.attr("DTYPE_CODES") = py::dict(py::arg("float32") = static_cast<int>(DType::kFloat32), py::arg("float16") = static_cast<int>(DType::kFloat16), py::arg("bfloat16") = static_cast<int>(DType::kBFloat16), py::arg("int32") = static_cast<int>(DType::kInt32));
   m.attr("OP_CODES") = py::dict(py::arg("sum") = static_cast<int>(RedOp::kSum), py::arg("max") = static_cast<int>(RedOp::kMax), py::arg("min") = static_cast<int>(RedOp::kMin), py::arg("avg") = static_cast<int>(RedOp::kAvg));
-  m.attr("ALGORITHM_CODES") = py::dict(py::arg("auto") = static_cast<int>(Variant::kAuto), py::arg("two-shot") = static_cast<int>(Variant::kTwoShot), py::arg("one-shot") = static_cast<int>(Variant::kOneShot));
+  m.attr("ALGORITHM_CODES") = py::dict(py::arg("auto") = static_cast<int>(Algorithm::kAuto), py::arg("two-shot") = static_cast<int>(Algorithm::kTwoShot), py::arg("one-shot") = static_cast<int>(Algorithm::kOneShot));
   {
     py::dict sizes;
     for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32}) sizes[py::int_(static_cast<int>(t))] = dtype_size(t);
@@ -82,9 +82,9 @@ PYBIND11_MODULE(_C, m) {
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
-           py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us") = 0.0,
-           py::arg("jitter_seed") = 0, py::arg("cma") = true, py::arg("cma_min_bytes") = 8 << 10,
-           py::arg("cma_piece_bytes") = 256 << 10, py::arg("ll_max_bytes") = 0, py::kw_only(), py::arg("secret"))
+           py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us"),
+           py::arg("jitter_seed"), py::arg("cma"), py::arg("cma_min_bytes"), py::arg("cma_piece_bytes"),
+           py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"))
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
@@ -93,7 +93,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cma_enabled", &CpuExecutor::cma_enabled)
       .def(
           "all_reduce",
-          [](CpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int variant) {
+          [](CpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int algorithm) {
             // The GIL is released while the call runs; on the main thread its waits come back to
             // the interpreter about every 50 ms to run signal handlers. A handler that raises
             // (SIGINT: KeyboardInterrupt) stops the call: the executor aborts the peers, then the
@@ -105,7 +105,7 @@ PYBIND11_MODULE(_C, m) {
               py::gil_scoped_release release;
               try {
                 ex.all_reduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
-                              static_cast<DType>(dtype), static_cast<RedOp>(op), static_cast<Variant>(variant),
+                              static_cast<DType>(dtype), static_cast<RedOp>(op), static_cast<Algorithm>(algorithm),
                               main_thread ? &intr : nullptr);
               } catch (const ProtocolError&) {
                 if (pending.type == nullptr) throw;
@@ -117,29 +117,24 @@ PYBIND11_MODULE(_C, m) {
             }
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-          py::arg("variant") = 0)
+          py::arg("algorithm"))
       .def("mark_closed", &CpuExecutor::mark_closed)
       .def(
           "all_reduce_add_rms_norm",
           [](CpuExecutor& ex, uintptr_t x, uintptr_t residual, uintptr_t weight, size_t rows, size_t h, int dtype,
-             float eps, int variant) {
+             float eps, int algorithm) {
             ex.all_reduce_add_rms_norm(reinterpret_cast<void*>(x), reinterpret_cast<void*>(residual),
                                        reinterpret_cast<const void*>(weight), rows, h, static_cast<DType>(dtype), eps,
-                                       static_cast<Variant>(variant));
+                                       static_cast<Algorithm>(algorithm));
           },
           py::arg("x_ptr"), py::arg("residual_ptr"), py::arg("weight_ptr"), py::arg("rows"), py::arg("h"),
-          py::arg("dtype"), py::arg("eps"), py::arg("variant") = 0, py::call_guard<py::gil_scoped_release>())
+          py::arg("dtype"), py::arg("eps"), py::arg("algorithm"), py::call_guard<py::gil_scoped_release>())
       .def("resolve",
-           [](const CpuExecutor& ex, int variant, size_t bytes) {
-             return static_cast<int>(ex.resolve(static_cast<Variant>(variant), bytes));
+           [](const CpuExecutor& ex, int algorithm, size_t bytes) {
+             return static_cast<int>(ex.resolve(static_cast<Algorithm>(algorithm), bytes));
            })
       .def_property_readonly("pool_address", [](const CpuExecutor& ex) { return reinterpret_cast<uintptr_t>(ex.pool_base()); })
       .def_property_readonly("pool_bytes", &CpuExecutor::pool_bytes)
-      .def("pool_view",
-           [](const CpuExecutor& ex) {
-             return py::memoryview::from_memory(static_cast<void*>(ex.pool_base()),
-                                                static_cast<py::ssize_t>(ex.pool_bytes()), false);
-           })
       .def_property_readonly("epoch", &CpuExecutor::epoch)
       .def_property_readonly("failed", &CpuExecutor::failed)
       .def_property_readonly("failure", &CpuExecutor::failure)
@@ -233,7 +228,7 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("ranks_per_node"), py::arg("num_nodes"), py::arg("max_bytes"), py::arg("min_zone_bytes"),
         py::arg("pool_bytes"), py::arg("cell_stride") = 64, py::arg("slices") = 1, py::arg("ll_max_bytes") = 0);
-  m.def("call_signature", &call_signature, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("variant"));
+  m.def("call_signature", &call_signature, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("algorithm"));
   m.def("flag_word", &flag_word, py::arg("epoch"), py::arg("sig"));
 
   // The host reduction kernels on their own, to test their arithmetic against a reference.

@@ -21,5 +21,4 @@
 namespace nvrar {
 NVRAR_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 NVRAR_HD size_t ceil_div(size_t x, size_t y) { return (x + y - 1) / y; }
-NVRAR_HD size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 }  // namespace nvrar

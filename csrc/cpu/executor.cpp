@@ -1,4 +1,5 @@
 #include "executor.h"
+#include "segment.h"
 
 #include <sched.h>
 #include <sys/uio.h>
@@ -17,96 +18,12 @@ namespace nvrar {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x314741455352564eull;  // "NVRSEAG1", little-endian
-constexpr uint32_t kVersion = 1;
-constexpr size_t kCellStride = 64;                   // one cache line per flag cell
 constexpr size_t kMinChunkBytes = 256;               // smallest max_bytes accepted (bytes)
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a waiter checks its peer's process
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
 constexpr double kQuiesceMaxS = 1.0;  // longest a failing rank waits for a peer's cross-memory transfer window (s)
 constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
-
-// Host-side header at the start of every segment (page 0). Written by its owner at creation;
-// the call fields are rewritten (relaxed) at the start of every call, before its first flag.
-struct SegmentHeader {
-  uint64_t magic;
-  uint32_t version;
-  int32_t rank;
-  int32_t world;
-  int32_t ranks_per_node;
-  uint64_t config_hash;
-  int64_t pid;
-  uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
-  uint64_t self_base;   // where the owner maps this segment (target of the cross-memory probe)
-  uint64_t failed_epoch;  // != 0: the owner failed in this round and no longer touches any peer's memory
-  uint64_t call_epoch;
-  uint64_t call_count;
-  int32_t call_dtype;
-  int32_t call_op;
-  int32_t call_variant;
-  int32_t pad;
-  char error_text[2048];  // the message of this rank's failure, for the ranks it aborts
-  // Appended fields (after error_text, so that the offsets above never move).
-  uint64_t closed;        // != 0: the owner closed its communicator; it takes part in no round any more
-  uint64_t touch;         // touch_word(epoch, target) while the owner transfers to or from a peer's
-                          // private memory (NOTE [transfer windows]); 0 otherwise
-  uint8_t secret[kSecretBytes];  // the session's secret (CpuConfig::secret): every attaching rank checks it
-};
-static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
-
-// NOTE [call description]
-// The 16-bit signature of a flag word is a quick check only: two different calls can share it
-// (count 100000 and 131409, float32 two-shot, do). So every flag cell also carries the sender's
-// full call description (count, dtype/op/variant code, elements of this round), stored before
-// the flag word with the same release, and every wait compares it with its own before it uses
-// the peer's data or any offset or address the flag carries. LL packets (protocol/ll.h) carry
-// only the 16-bit flag: their sender stores the description into the step's inter cell before
-// the packets (and the flag word after them). The buffers a ready flag advertises are bounded
-// by the round's bytes, and every cross-memory transfer is checked against them.
-struct Cell {
-  uint64_t word;
-  uint64_t aux0;   // ready: byte offset of the sender's input; final: offset of its final shard
-  uint64_t aux1;   // ready: OutRef of the sender's output (protocol/plan.h)
-  uint64_t count;  // the sender's call: count
-  uint64_t code;   // the sender's call: dtype | op << 8 | variant << 16
-  uint64_t n;      // the sender's round: elements
-  uint64_t shape;  // the sender's call: row length h of a fused call (all_reduce_add_rms_norm), else 0
-};
-static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
-
-// NOTE [transfer windows]
-// A rank that failed returns to its caller, who may free or reuse the buffers its ready flag
-// exposed to cross-memory access. So every process_vm_readv/writev of a peer's private memory
-// runs inside a window: the transferring rank stores touch_word(e, target) into its own header,
-// fences, and only then checks that the target has not failed (its failed_epoch); the failing
-// rank stores its failed_epoch, fences, and then waits until no local peer's window names it.
-// Of two such sequences at least one sees the other's store (Dekker): either the transfer is
-// refused, or the failing rank waits for its window to close. The wait is bounded (kQuiesceMaxS):
-// only a peer stopped inside a window (a few microseconds per piece) can outlast it.
-inline uint64_t touch_word(uint64_t epoch, int target) { return (epoch << 24) | static_cast<uint64_t>(target + 1); }
-
-// The code word of a call description: dtype | op << 8 | variant << 16, and a fused call's eps
-// bits << 32 (its op is kFusedOpCode, protocol/epilogue.h).
-inline uint64_t call_code(DType dtype, int32_t op, Variant v, float eps) {
-  return static_cast<uint64_t>(static_cast<uint32_t>(dtype) & 0xffu) |
-         (static_cast<uint64_t>(static_cast<uint32_t>(op) & 0xffu) << 8) |
-         (static_cast<uint64_t>(static_cast<uint32_t>(v) & 0xffu) << 16) |
-         (op == kFusedOpCode ? static_cast<uint64_t>(float_bits(eps)) << 32 : 0);
-}
-
-inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-inline uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-inline void store_relaxed(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 uint64_t config_hash(const CpuConfig& c, const SegmentLayout& L) {
   uint64_t fields[] = {kVersion, static_cast<uint64_t>(c.world), static_cast<uint64_t>(c.ranks_per_node),
@@ -177,6 +94,8 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
   round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes};
+  limits_ = CallLimits{cfg_.world, where_.N, cfg_.max_bytes, cfg_.oneshot_max_bytes, layout_.oneshot_chunk_bytes(),
+                       1, 0, reinterpret_cast<uintptr_t>(pool_base()), layout_.pool_bytes};
 }
 
 void CpuExecutor::enable_cma(bool on) {
@@ -223,8 +142,7 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
                 " was created with a different configuration (ranks_per_node ", h->ranks_per_node, " vs ",
                 cfg_.ranks_per_node, ", or max_bytes / heap size / one-shot threshold differ); every rank must "
                 "use the same settings");
-    if (r != cfg_.rank && h->start_time != 0 && proc_stat(h->pid).first == h->start_time)
-      peer_start_times_[static_cast<size_t>(r)] = h->start_time;
+    if (r != cfg_.rank) peer_start_times_[static_cast<size_t>(r)] = owner_start_time(h);
   }
 }
 
@@ -242,12 +160,11 @@ bool CpuExecutor::probe_cma() const {
   return true;
 }
 
-Variant CpuExecutor::resolve(Variant v, size_t bytes) const {
-  if (v != Variant::kAuto) return v;
-  return bytes <= cfg_.oneshot_max_bytes ? Variant::kOneShot : Variant::kTwoShot;
+Algorithm CpuExecutor::resolve(Algorithm a, size_t bytes) const {
+  return resolve_algorithm(a, bytes, cfg_.oneshot_max_bytes);
 }
 
-void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant,
+void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                              const Interrupt* intr) {
   // Second line behind the Python check: a forked child would write into its parent's segment
   // and, through cross-memory access, let peers write into the parent's buffers.
@@ -261,44 +178,30 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   NVRAR_CHECK(heap_.mine() != nullptr, "all_reduce: the communicator is closed");
   NVRAR_CHECK(heap_.attached() || cfg_.world == 1, "all_reduce: the communicator is not set up");
   if (count == 0) return;
-  const size_t es = static_cast<size_t>(dtype_size(dtype));
-  NVRAR_CHECK(count <= SIZE_MAX / es, "all_reduce: count ", count, " overflows");
+  const CallPlan c = plan_call(limits_, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out), count,
+                               dtype, op, algorithm);
   const ReduceFn fn = cpu_reduce_fn(dtype, op);
-  const Scale sc = make_scale(op, cfg_.world);
   if (cfg_.world == 1) {
-    if (in != out) std::memmove(out, in, count * es);
+    if (in != out) std::memmove(out, in, c.bytes);
     return;
   }
-  const Variant v = resolve(variant, count * es);
-  NVRAR_CHECK(v == Variant::kTwoShot || v == Variant::kOneShot, "all_reduce: unknown variant code ",
-              static_cast<int>(v));
-  const uint32_t sig = call_signature(count, static_cast<int>(dtype), static_cast<int>(op), static_cast<int>(v));
 
-  note_call(count, dtype, static_cast<int32_t>(op), v, 0, 0.0f);
+  note_call(count, dtype, static_cast<int32_t>(op), c.algorithm, 0, 0.0f);
   intr_ = intr;
   struct ClearIntr {
     const Interrupt** p;
     ~ClearIntr() { *p = nullptr; }
   } clear_intr{&intr_};
 
-  size_t chunk_bytes = cfg_.max_bytes;
-  if (v == Variant::kOneShot && where_.N > 1) chunk_bytes = std::min(chunk_bytes, layout_.oneshot_chunk_bytes());
-  const size_t chunk = chunk_bytes / es;
-
   // Zero-copy: an input that lives in my pool is read by the peers where it is; an output in my
-  // pool is written by the peers directly.
+  // pool is written by the peers directly (c.in_pool, c.out_pool).
   const char* pin = static_cast<const char*>(in);
   char* pout = static_cast<char*>(out);
-  const char* pool = pool_base();
-  const bool in_pool = pin >= pool && pin + count * es <= pool + layout_.pool_bytes;
-  const bool out_pool = pout >= pool && pout + count * es <= pool + layout_.pool_bytes;
-
-  for (size_t off = 0; off < count; off += chunk) {
-    const size_t n = std::min(chunk, count - off);
-    round(pin + off * es, pout + off * es, n, es, in_pool, out_pool, v, sig, fn, sc);
+  for (size_t off = 0; off < count; off += c.chunk_elems) {
+    const size_t n = std::min(c.chunk_elems, count - off);
+    round(pin + off * c.es, pout + off * c.es, n, c.es, c.in_pool, c.out_pool, c.algorithm, c.sig, fn, c.sc);
   }
 }
-
 
 // The CPU side of the Transport concept of protocol/round.h: a group of one, shared-memory
 // loads and stores, process_vm_readv/writev for private buffers. Failures throw.
@@ -379,24 +282,24 @@ struct CpuTransport {
   void jitter() { ex->jitter(); }
 };
 
-void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Variant v,
+void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Algorithm v,
                         uint32_t sig, ReduceFn fn, Scale sc) {
   const uint64_t e = ++epoch_;
   round_n_ = n;
   CpuTransport tp{this, fn, e};
   Slice s{in, out, n, es, 0, 0, in_pool, out_pool};
-  if (v == Variant::kOneShot)
+  if (v == Algorithm::kOneShot)
     one_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
   else
     two_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
 }
 
-void CpuExecutor::fused_round(const FusedSlice& s, Variant v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi,
+void CpuExecutor::fused_round(const FusedSlice& s, Algorithm v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi,
                               char* scratch) {
   const uint64_t e = ++epoch_;
   round_n_ = s.rows * s.h;
   CpuTransport tp{this, fn, e};
-  if (v == Variant::kOneShot) {
+  if (v == Algorithm::kOneShot) {
     one_shot_round(tp, round_cfg_, ws_, Slice{s.in, scratch, s.rows * s.h, s.es, 0, 0, false, false}, e, sig,
                    make_scale(RedOp::kSum, 1));
     epi(s.x_out, s.res, scratch, s.res, s.rows);
@@ -407,15 +310,18 @@ void CpuExecutor::fused_round(const FusedSlice& s, Variant v, uint32_t sig, Redu
 
 // The call in flight (NOTE [call description]): its description, which every flag I send carries
 // and every flag I receive must match; a fused call adds its row length and eps.
-void CpuExecutor::note_call(uint64_t count, DType dtype, int32_t op, Variant v, uint64_t h, float eps) {
+void CpuExecutor::note_call(uint64_t count, DType dtype, int32_t op, Algorithm v, uint64_t h, float eps) {
   auto* hd = reinterpret_cast<SegmentHeader*>(heap_.mine());
   hd->call_epoch = epoch_ + 1;
   hd->call_count = count;
   hd->call_dtype = static_cast<int32_t>(dtype);
   hd->call_op = op;
-  hd->call_variant = static_cast<int32_t>(v);
+  hd->call_algorithm = static_cast<int32_t>(v);
   call_count_ = count;
-  call_code_ = call_code(dtype, op, v, eps);
+  // A fused call's op byte is kFusedOpCode (protocol/epilogue.h) and its eps bits ride above the
+  // plain call's code; its row length goes in the cells' shape word.
+  call_code_ = call_code(dtype, static_cast<RedOp>(op), v) |
+               (op == kFusedOpCode ? static_cast<uint64_t>(float_bits(eps)) << 32 : 0);
   call_shape_ = h;
 }
 
@@ -489,7 +395,7 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
   const size_t h = static_cast<size_t>(peer - where_.rank_of(where_.node, 0));
   const uint64_t in_ref = load_relaxed(&c->aux0);
   const uint64_t out_ref = load_relaxed(&c->aux1);
-  const uint64_t bytes = load_relaxed(&c->n) * static_cast<uint64_t>(dtype_size(static_cast<DType>(call_code_ & 0xff)));
+  const uint64_t bytes = load_relaxed(&c->n) * static_cast<uint64_t>(dtype_size(code_dtype(call_code_)));
   adv_bytes_[h] = bytes;
   adv_in_[h] = ref_kind(in_ref) == kRefCma ? ref_value(in_ref) : 0;
   adv_out_[h] = ref_kind(out_ref) == kRefCma ? ref_value(out_ref) : 0;
@@ -530,9 +436,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
     }
     const auto now = clock::now();
     if (now >= deadline) {
-      std::ostringstream os;
-      os << "timed out after " << cfg_.timeout_s << " s";
-      fail(ProtocolError::Kind::kTimeout, os.str(), site, epoch, observed());
+      fail(ProtocolError::Kind::kTimeout, timeout_text(cfg_.timeout_s), site, epoch, observed());
     }
     if (now >= next_liveness) {
       if (!peer_alive(site.peer)) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
@@ -582,7 +486,7 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
       // (A fused call's final flag carries no offset: its rows were pushed into my staging.)
       // Where the peer's final shard lives: within its slots (result slot or a landing zone).
       const uint64_t off = load_relaxed(&c->aux0);
-      const size_t es = static_cast<size_t>(dtype_size(static_cast<DType>(call_code_ & 0xff)));
+      const size_t es = static_cast<size_t>(dtype_size(code_dtype(call_code_)));
       const size_t bytes = shard_range(round_n_, static_cast<int>(es), where_.G, h).size() * es;
       if (off < layout_.result_off || off > layout_.llzones_off || bytes > layout_.llzones_off - off)
         fail(ProtocolError::Kind::kViolation,
@@ -631,35 +535,22 @@ std::string CpuExecutor::mismatch(int peer, size_t cell_off) const {
 }
 
 std::string CpuExecutor::describe_call(uint64_t count, uint64_t code, uint64_t shape) {
+  if (static_cast<int32_t>(code_op(code)) != kFusedOpCode) return nvrar::describe_call(count, code);
   std::ostringstream os;
-  const auto dtype = static_cast<DType>(code & 0xff);
-  const auto op = static_cast<int32_t>((code >> 8) & 0xff);
-  const auto variant = static_cast<Variant>((code >> 16) & 0xff);
-  if (op == kFusedOpCode) {
-    os << "all_reduce_add_rms_norm(count=" << count << ", h=" << shape << ", dtype=" << dtype_name(dtype)
-       << ", eps=" << bits_float(static_cast<uint32_t>(code >> 32)) << ", variant=" << variant_name(variant) << ")";
-    return os.str();
-  }
-  os << "all_reduce(count=" << count << ", dtype=" << dtype_name(dtype) << ", op=" << op_name(static_cast<RedOp>(op))
-     << ", variant=" << variant_name(variant) << ")";
+  os << "all_reduce_add_rms_norm(count=" << count << ", h=" << shape << ", dtype=" << dtype_name(code_dtype(code))
+     << ", eps=" << bits_float(static_cast<uint32_t>(code >> 32)) << ", algorithm=" << algorithm_name(code_algorithm(code))
+     << ")";
   return os.str();
 }
 
 bool CpuExecutor::peer_alive(int peer) const {
-  const uint64_t known = peer_start_times_[static_cast<size_t>(peer)];
-  if (known == 0) return true;  // cannot tell (another pid namespace): the deadline decides
-  const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(peer));
-  const auto st = proc_stat(h->pid);
-  return st.first == known && st.second != 'Z' && st.second != 'X';
+  return owner_alive(reinterpret_cast<const SegmentHeader*>(heap_.base(peer)),
+                     peer_start_times_[static_cast<size_t>(peer)]);
 }
 
 void CpuExecutor::fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,
                        uint64_t observed) {
-  std::ostringstream os;
-  os << "nvrar: rank " << cfg_.rank << ": " << what << " (phase " << phase_name(site.phase) << ", step " << site.step
-     << ", waiting for rank " << site.peer << ", expected epoch " << epoch << ", observed epoch " << observed
-     << ")";
-  const std::string msg = os.str();
+  const std::string msg = failure_text(cfg_.rank, what, site.phase, site.step, site.peer, epoch, observed);
   failure_ = msg;
   // Abort every peer: they raise at once instead of waiting for their own deadlines.
   auto* h = reinterpret_cast<SegmentHeader*>(heap_.mine());

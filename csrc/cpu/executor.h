@@ -11,6 +11,7 @@
 
 #include "../common/error.h"
 #include "../protocol/epilogue.h"
+#include "../protocol/call.h"
 #include "../protocol/plan.h"
 #include "../protocol/round.h"
 #include "../protocol/types.h"
@@ -20,23 +21,24 @@
 
 namespace nvrar {
 
-constexpr size_t kSecretBytes = 16;  // the session secret every segment header carries
-
+// Every field is set by the caller: the defaults live in one place, Python's settings object
+// (nvrar/settings.py), which passes each of them to the binding. Zero here means "not set" and
+// fails the checks of the constructor where zero is not a valid value.
 struct CpuConfig {
   int rank = 0;
-  int world = 1;
-  int ranks_per_node = 1;
-  size_t max_bytes = size_t{4} << 20;         // largest chunk one round reduces (bytes)
-  size_t pool_bytes = size_t{16} << 20;       // zero-copy pool for Communicator.empty (bytes)
-  size_t oneshot_max_bytes = size_t{64} << 10;  // kAuto picks one-shot up to this size (bytes)
-  double timeout_s = 60.0;                    // deadline of every wait (seconds)
-  double jitter_us = 0.0;                     // > 0: random delays up to this long (testing)
+  int world = 0;
+  int ranks_per_node = 0;
+  size_t max_bytes = 0;          // largest chunk one round reduces (bytes)
+  size_t pool_bytes = 0;         // zero-copy pool for Communicator.empty (bytes)
+  size_t oneshot_max_bytes = 0;  // kAuto picks one-shot up to this size (bytes)
+  double timeout_s = 0;          // deadline of every wait (seconds)
+  double jitter_us = 0;          // > 0: random delays up to this long (testing)
   uint64_t jitter_seed = 0;
-  bool cma = true;                            // allow cross-memory writes into peers' private outputs
-  size_t cma_min_bytes = size_t{8} << 10;     // smallest shard (bytes) moved by cross-memory reads/writes
-  size_t cma_piece_bytes = size_t{256} << 10; // cross-memory transfers go piece by piece, this large (bytes)
-  size_t ll_max_bytes = 0;                    // inter-node shards up to this size go as LL packets (bytes)
-  std::string secret;                         // kSecretBytes drawn by rank 0, the same on every rank
+  bool cma = false;              // allow cross-memory reads/writes of peers' private buffers
+  size_t cma_min_bytes = 0;      // smallest shard (bytes) moved by cross-memory reads/writes
+  size_t cma_piece_bytes = 0;    // cross-memory transfers go piece by piece, this large (bytes)
+  size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
+  std::string secret;            // kSecretBytes drawn by rank 0, the same on every rank
 };
 
 // A hook polled by waits (about every 50 ms) so that the caller can handle signals: returns true
@@ -64,22 +66,21 @@ class CpuExecutor {
 
   // out = reduce(in) over all ranks. in == out is in place. `count` elements of `dtype`.
   // `intr` (may be null) is polled while the call waits; it must outlive the call.
-  void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Variant variant,
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                   const Interrupt* intr = nullptr);
 
   // Fused all-reduce + residual add + RMSNorm, in place (csrc/cpu/fused.cpp, NOTE [fused add +
   // RMSNorm] in protocol/epilogue.h): x and residual are rows x h elements, weight h elements.
   void all_reduce_add_rms_norm(void* x, void* residual, const void* weight, size_t rows, size_t h, DType dtype,
-                               float eps, Variant variant);
+                               float eps, Algorithm variant);
 
   // The variant kAuto resolves to for a message of `bytes`.
-  Variant resolve(Variant v, size_t bytes) const;
+  Algorithm resolve(Algorithm v, size_t bytes) const;
 
   char* pool_base() const { return heap_.mine() + layout_.pool_off; }
   size_t pool_bytes() const { return layout_.pool_bytes; }
   uint64_t epoch() const { return epoch_; }
   const CpuConfig& config() const { return cfg_; }
-  const Layout& layout() const { return where_; }
   const SegmentLayout& segment_layout() const { return layout_; }
   bool failed() const { return !failure_.empty(); }
   const std::string& failure() const { return failure_; }
@@ -98,13 +99,13 @@ class CpuExecutor {
   };
 
   // One protocol round (protocol/round.h) on n elements, epoch advanced.
-  void round(const char* in, char* out, size_t n, size_t elem_size, bool in_pool, bool out_pool, Variant v,
+  void round(const char* in, char* out, size_t n, size_t elem_size, bool in_pool, bool out_pool, Algorithm v,
              uint32_t sig, ReduceFn fn, Scale sc);
 
   // One round of the fused call (protocol/epilogue.h); scratch: a private rows x h buffer (one-shot).
-  void fused_round(const FusedSlice& s, Variant v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi, char* scratch);
+  void fused_round(const FusedSlice& s, Algorithm v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi, char* scratch);
   // Records this call in my segment header, for the other ranks' mismatch messages.
-  void note_call(uint64_t count, DType dtype, int32_t op, Variant v, uint64_t h, float eps);
+  void note_call(uint64_t count, DType dtype, int32_t op, Algorithm v, uint64_t h, float eps);
 
   void signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1);
   // Waits for the flag of round `epoch`; returns its aux words.
@@ -121,7 +122,8 @@ class CpuExecutor {
   [[noreturn]] void fail_from_abort(const Site& site, uint64_t epoch);
   void quiesce(uint64_t epoch);
   bool peer_alive(int peer) const;
-  // "all_reduce(count=..., dtype=..., op=..., variant=...)" from a call description (count, code).
+  // "all_reduce(count=..., dtype=..., op=..., algorithm=...)" (or the fused call's, with h and eps) from a
+  // call description (count, code, shape).
   static std::string describe_call(uint64_t count, uint64_t code, uint64_t shape);
   // "rank R called all_reduce(...) but rank P called all_reduce(...)", from the description in
   // the flag cell at cell_off (written by the peer with its flag).
@@ -154,13 +156,14 @@ class CpuExecutor {
   uint64_t exposed_epoch_ = 0;              // last round whose ready flags exposed my private buffers
   Workspace ws_{};                          // views of the vectors above, for protocol/round.h
   RoundConfig round_cfg_{};
+  CallLimits limits_{};                     // what the configuration fixes for every call (protocol/call.h)
   uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
   uint64_t rng_ = 0;
   std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
   // The call in flight, carried by every flag I send and compared with every flag I receive
-  // (NOTE [call description], executor.cpp).
+  // (NOTE [call description], segment.h).
   uint64_t call_count_ = 0;
-  uint64_t call_code_ = 0;                  // dtype | op << 8 | variant << 16
+  uint64_t call_code_ = 0;                  // dtype | op << 8 | algorithm << 16
   uint64_t round_n_ = 0;                    // elements of the round in flight
   uint64_t call_shape_ = 0;                 // row length h of a fused call in flight, else 0
   const Interrupt* intr_ = nullptr;         // the caller's interrupt hook, during a call

@@ -114,7 +114,7 @@ EpilogueFn cpu_epilogue_fn(DType dtype) {
 }
 
 void CpuExecutor::all_reduce_add_rms_norm(void* x, void* residual, const void* weight, size_t rows, size_t h,
-                                          DType dtype, float eps, Variant variant) {
+                                          DType dtype, float eps, Algorithm requested) {
   const char* what = "all_reduce_add_rms_norm";
   NVRAR_CHECK(!closing_.load(std::memory_order_acquire), what, ": the communicator is closed");
   std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
@@ -136,20 +136,20 @@ void CpuExecutor::all_reduce_add_rms_norm(void* x, void* residual, const void* w
     epi(px, pr, px, pr, rows);
     return;
   }
-  Variant v = resolve(variant, rows * row_bytes);
-  NVRAR_CHECK(v == Variant::kTwoShot || v == Variant::kOneShot, what, ": unknown variant code ", static_cast<int>(v));
-  size_t chunk = fused_chunk_rows(layout_, cfg_.max_bytes, where_.G, where_.N, row_bytes, v == Variant::kOneShot);
-  if (chunk == 0 && v == Variant::kOneShot && variant == Variant::kAuto) {
-    v = Variant::kTwoShot;  // a row too long for a one-shot zone (every rank decides alike)
+  Algorithm v = resolve(requested, rows * row_bytes);
+  NVRAR_CHECK(v == Algorithm::kTwoShot || v == Algorithm::kOneShot, what, ": unknown algorithm code ", static_cast<int>(v));
+  size_t chunk = fused_chunk_rows(layout_, cfg_.max_bytes, where_.G, where_.N, row_bytes, v == Algorithm::kOneShot);
+  if (chunk == 0 && v == Algorithm::kOneShot && requested == Algorithm::kAuto) {
+    v = Algorithm::kTwoShot;  // a row too long for a one-shot zone (every rank decides alike)
     chunk = fused_chunk_rows(layout_, cfg_.max_bytes, where_.G, where_.N, row_bytes, false);
   }
   NVRAR_CHECK(chunk > 0, what, ": a row of h=", h, " ", dtype_name(dtype), " elements (", row_bytes,
-              " bytes) does not fit this communicator's ", variant_name(v), " round (max_bytes=", cfg_.max_bytes,
+              " bytes) does not fit this communicator's ", algorithm_name(v), " round (max_bytes=", cfg_.max_bytes,
               "); raise max_bytes");
   const uint32_t sig = fused_signature(rows * h, static_cast<int>(dtype), static_cast<int>(v), h, eps);
   note_call(rows * h, dtype, kFusedOpCode, v, h, eps);
   const ReduceFn fn = cpu_reduce_fn(dtype, RedOp::kSum);
-  if (v == Variant::kOneShot && fused_scratch_.size() < std::min(chunk, rows) * row_bytes)
+  if (v == Algorithm::kOneShot && fused_scratch_.size() < std::min(chunk, rows) * row_bytes)
     fused_scratch_.resize(std::min(chunk, rows) * row_bytes);
   for (size_t r0 = 0; r0 < rows; r0 += chunk) {
     const size_t n = std::min(chunk, rows - r0);

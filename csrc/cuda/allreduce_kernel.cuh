@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
     const size_t at = (first + sl.begin) * static_cast<size_t>(kp.es);
     const Slice s{kp.in + at, kp.out + at, sl.size(), static_cast<size_t>(kp.es), sl.begin * static_cast<size_t>(kp.es),
                   b, kp.in_pool, kp.out_pool};
-    const bool ok = kp.variant == static_cast<int>(Variant::kOneShot)
+    const bool ok = kp.algorithm == Algorithm::kOneShot
                         ? one_shot_round(tp, kp.cfg, ws, s, e, kp.sig, kp.sc)
                         : two_shot_round(tp, kp.cfg, ws, s, e, kp.sig, kp.sc);
     if (!ok) break;  // recorded in kp.err; the host raises

@@ -66,17 +66,17 @@ PYBIND11_MODULE(_cuda, m) {
            py::arg("max_blocks"), py::arg("threads"), py::arg("block_bytes"), py::arg("uid"))
       .def(
           "all_reduce",
-          [](gpu::GpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int variant,
+          [](gpu::GpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int algorithm,
              uintptr_t stream) {
             ex.all_reduce(in, out, count, static_cast<DType>(dtype), static_cast<RedOp>(op),
-                          static_cast<Variant>(variant), stream);
+                          static_cast<Algorithm>(algorithm), stream);
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-          py::arg("variant"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+          py::arg("algorithm"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("check", &gpu::GpuExecutor::check, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("resolve",
-           [](const gpu::GpuExecutor& ex, int variant, size_t bytes) {
-             return static_cast<int>(ex.resolve(static_cast<Variant>(variant), bytes));
+           [](const gpu::GpuExecutor& ex, int algorithm, size_t bytes) {
+             return static_cast<int>(ex.resolve(static_cast<Algorithm>(algorithm), bytes));
            })
       .def_property_readonly("epoch", &gpu::GpuExecutor::epoch)
       .def_property_readonly("pool_address", &gpu::GpuExecutor::pool_address)

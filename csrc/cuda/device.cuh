@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../common/error.h"
 #include "../protocol/ll.h"
 #include "../protocol/phase.h"
 #include "../protocol/plan.h"
@@ -25,9 +26,13 @@ constexpr int kMaxLocal = 72;
 // 128 registers, so that 512 threads fit an SM on sm_80 and sm_90.
 constexpr int kMaxThreads = 512;
 
-// ProtocolError::Kind values (common/error.h), as the device records them.
+// ProtocolError::Kind values (common/error.h, their one definition), as the device records them.
 using ProtocolErrorKindCode = unsigned;
-constexpr ProtocolErrorKindCode kTimeoutCode = 1, kMismatchCode = 2, kPeerAbortCode = 3, kViolationCode = 4;
+constexpr ProtocolErrorKindCode kind_code(ProtocolError::Kind k) { return static_cast<ProtocolErrorKindCode>(k); }
+constexpr ProtocolErrorKindCode kTimeoutCode = kind_code(ProtocolError::Kind::kTimeout);
+constexpr ProtocolErrorKindCode kMismatchCode = kind_code(ProtocolError::Kind::kMismatch);
+constexpr ProtocolErrorKindCode kPeerAbortCode = kind_code(ProtocolError::Kind::kPeerAbort);
+constexpr ProtocolErrorKindCode kViolationCode = kind_code(ProtocolError::Kind::kViolation);
 
 // NOTE [gpu deadlines]: every wait polls with %globaltimer (nanoseconds, not clock cycles) against
 // the communicator's timeout, and checks this rank's abort cell. On expiry, mismatch or abort the
@@ -63,7 +68,7 @@ struct KernelParams {
   size_t count;
   size_t chunk_elems;
   int es;
-  int variant;  // Variant, resolved
+  Algorithm algorithm;  // resolved (never kAuto)
   uint32_t sig;
   Scale sc;
   bool in_pool;
@@ -308,7 +313,7 @@ struct GpuTransport {
   // compare-and-swap, so it is never overwritten); the others stop as soon as sh.ok is not 1.
   __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
     dirty = true;
-    constexpr int kTimeout = 0, kMismatch = -1, kAborted = -2;
+    constexpr int kLLTimedOut = 0, kLLMismatched = -1, kLLAborted = -2;  // sh.ok once a thread failed
     const uint32_t flag = ll_flag(e, sig);
     const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
     const uint64_t* abort_word = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
@@ -324,25 +329,25 @@ struct GpuTransport {
         if ((++spins & 63) == 0) {
           if (*ok != 1) break;  // another thread failed: its code stands
           if (globaltimer() - start > kp.timeout_ns) {
-            atomicCAS(&sh.ok, 1, kTimeout);
+            atomicCAS(&sh.ok, 1, kLLTimedOut);
             break;
           }
           if (ld_relaxed_sys(abort_word) != 0) {
-            atomicCAS(&sh.ok, 1, kAborted);
+            atomicCAS(&sh.ok, 1, kLLAborted);
             break;
           }
           __nanosleep(64);
         }
         st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
       }
-      if (st < 0) atomicCAS(&sh.ok, 1, kMismatch);
+      if (st < 0) atomicCAS(&sh.ok, 1, kLLMismatched);
     }
     __syncthreads();
     const int result = sh.ok;
     if (threadIdx.x == 0 && result != 1) {
-      if (result == kTimeout)
+      if (result == kLLTimedOut)
         fail(kTimeoutCode, Phase::kInterNode, step, peer, e, 0, kp.cfg.where.rank);
-      else if (result == kMismatch)
+      else if (result == kLLMismatched)
         fail(kMismatchCode, Phase::kInterNode, step, peer, e, e, kp.cfg.where.rank);
       else if (!aborted(Phase::kInterNode, step, peer, e))
         fail(kViolationCode, Phase::kInterNode, step, peer, e, 0, kp.cfg.where.rank);  // cannot happen

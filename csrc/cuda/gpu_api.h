@@ -15,19 +15,22 @@
 namespace nvrar {
 namespace gpu {
 
+// Every field is set by the caller: the defaults live in one place, Python's settings object
+// (nvrar/settings.py) and the selector's launch table. Zero means "not set" and fails the checks
+// of the constructor where zero is not a valid value.
 struct GpuConfig {
   int rank = 0;
-  int world = 1;
-  int ranks_per_node = 1;
-  int device = 0;                          // CUDA device of this rank
-  size_t max_bytes = size_t{16} << 20;     // largest chunk one round reduces (bytes)
-  size_t pool_bytes = size_t{64} << 20;    // zero-copy pool (Communicator.empty), bytes
-  size_t oneshot_max_bytes = size_t{64} << 10;
-  size_t ll_max_bytes = size_t{32} << 10;  // inter-node shards up to this size go as LL packets
-  size_t block_bytes = size_t{256} << 10;  // bytes per CUDA block before another block is added
-  int max_blocks = 16;                     // slices (CUDA blocks) per chunk, at most
-  int threads = 512;                       // threads per block
-  double timeout_s = 60.0;
+  int world = 0;
+  int ranks_per_node = 0;
+  int device = 0;                // CUDA device of this rank
+  size_t max_bytes = 0;          // largest chunk one round reduces (bytes)
+  size_t pool_bytes = 0;         // zero-copy pool (Communicator.empty), bytes
+  size_t oneshot_max_bytes = 0;  // kAuto picks one-shot up to this size (bytes)
+  size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets
+  size_t block_bytes = 0;        // bytes per CUDA block before another block is added
+  int max_blocks = 0;            // slices (CUDA blocks) per chunk, at most
+  int threads = 0;               // threads per block
+  double timeout_s = 0;          // deadline of every wait (seconds)
 };
 
 // Number of CUDA devices (0 where there is no usable driver); `why` says what failed.
@@ -56,11 +59,11 @@ class GpuExecutor {
 
   // Enqueues one fused all-reduce kernel on `stream` (a cudaStream_t as an integer). Raises the
   // failure of an earlier call first, if the device recorded one.
-  void all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Variant variant,
+  void all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                   uintptr_t stream);
   // Raise if a kernel recorded a failure (after synchronizing `stream` when nonzero).
   void check(uintptr_t stream);
-  Variant resolve(Variant v, size_t bytes) const;
+  Algorithm resolve(Algorithm v, size_t bytes) const;
   uint64_t epoch();  // synchronizes the device
   uintptr_t pool_address() const;
   size_t pool_bytes() const;

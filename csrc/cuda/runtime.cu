@@ -1,6 +1,6 @@
 // GPU executor runtime: NVSHMEM initialization (or joining an existing one), the symmetric
 // segment, peer mappings, the device state and the host-mapped error record, and the host side
-// of every call (variant, chunking, slices, signature; then one kernel launch).
+// of every call (algorithm, chunking, slices, signature; then one kernel launch).
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "../common/error.h"
+#include "../protocol/call.h"
 #include "device.cuh"
 #include "gpu_api.h"
 #include "launch.h"
@@ -126,6 +127,7 @@ struct GpuExecutor::Impl {
   Layout where;
   SegmentLayout layout;
   RoundConfig round;
+  CallLimits limits;             // what the configuration fixes for every call (protocol/call.h)
   char* segment = nullptr;       // nvshmem_malloc'd, symmetric
   char** peers_dev = nullptr;    // device array [G]
   DeviceState* state = nullptr;  // device memory
@@ -200,7 +202,10 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   NVRAR_CHECK(cfg.ranks_per_node >= 1 && cfg.world % cfg.ranks_per_node == 0, "ranks_per_node=", cfg.ranks_per_node,
               " must divide the world size ", cfg.world);
   NVRAR_CHECK(cfg.ranks_per_node <= kMaxLocal, "at most ", kMaxLocal, " ranks per node, got ", cfg.ranks_per_node);
-  NVRAR_CHECK(cfg.max_blocks >= 1 && cfg.threads >= 32 && cfg.threads <= 1024, "bad launch configuration");
+  NVRAR_CHECK(cfg.max_blocks >= 1 && cfg.threads >= 32 && cfg.threads <= 1024 && cfg.block_bytes >= 1,
+              "bad launch configuration: max_blocks=", cfg.max_blocks, ", threads=", cfg.threads,
+              ", block_bytes=", cfg.block_bytes);
+  NVRAR_CHECK(cfg.timeout_s > 0, "timeout must be > 0 s, got ", cfg.timeout_s);
   std::string why;
   NVRAR_CHECK(device_count(&why) > 0, "the GPU executor needs a CUDA device: ", why);
   I.cfg.max_bytes = std::max<size_t>(cfg.max_bytes / 64 * 64, 4096);
@@ -214,6 +219,9 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   NVRAR_CHECK(I.segment != nullptr, "nvshmem_malloc of ", I.layout.total_bytes,
               " bytes failed; raise NVSHMEM_SYMMETRIC_SIZE");
   NVRAR_CUDA_CHECK(cudaMemset(I.segment, 0, I.layout.pool_off));
+  I.limits = CallLimits{cfg.world, I.where.N, I.cfg.max_bytes, cfg.oneshot_max_bytes, I.layout.oneshot_chunk_bytes(),
+                        cfg.max_blocks, cfg.block_bytes, reinterpret_cast<uintptr_t>(I.segment + I.layout.pool_off),
+                        I.layout.pool_bytes};
   std::vector<char*> peers(static_cast<size_t>(cfg.ranks_per_node));
   for (int h = 0; h < cfg.ranks_per_node; ++h) {
     const int pe = I.where.rank_of(I.where.node, h);
@@ -276,9 +284,8 @@ uintptr_t GpuExecutor::pool_address() const {
 }
 size_t GpuExecutor::pool_bytes() const { return impl_->layout.pool_bytes; }
 
-Variant GpuExecutor::resolve(Variant v, size_t bytes) const {
-  if (v != Variant::kAuto) return v;
-  return bytes <= impl_->cfg.oneshot_max_bytes ? Variant::kOneShot : Variant::kTwoShot;
+Algorithm GpuExecutor::resolve(Algorithm a, size_t bytes) const {
+  return resolve_algorithm(a, bytes, impl_->cfg.oneshot_max_bytes);
 }
 
 uint64_t GpuExecutor::epoch() {
@@ -299,26 +306,23 @@ void GpuExecutor::Impl::raise_recorded() {
   ErrorRecord r;
   std::memcpy(&r, const_cast<const ErrorRecord*>(err_host), sizeof(r));
   const auto kind = static_cast<ProtocolError::Kind>(r.code);
-  std::ostringstream os;
-  os << "nvrar: rank " << cfg.rank << ": ";
   const char* what = kind == ProtocolError::Kind::kTimeout    ? "a timeout"
                      : kind == ProtocolError::Kind::kMismatch ? "a call mismatch"
                                                               : "a failure";
+  std::string text;
   if (r.origin >= 0 && r.origin != cfg.rank) {
-    os << "aborted by rank " << r.origin << " after " << what << " there";
+    text = "aborted by rank " + std::to_string(r.origin) + " after " + what + " there";
   } else if (r.origin < 0) {
-    os << "aborted by another rank";
+    text = "aborted by another rank";
   } else {
     switch (kind) {
-      case ProtocolError::Kind::kTimeout: os << "timed out after " << cfg.timeout_s << " s"; break;
-      case ProtocolError::Kind::kMismatch: os << "call mismatch (the flag's call signature differs)"; break;
-      case ProtocolError::Kind::kViolation: os << "protocol violation: a flag arrived from a later round"; break;
-      default: os << "aborted"; break;
+      case ProtocolError::Kind::kTimeout: text = timeout_text(cfg.timeout_s); break;
+      case ProtocolError::Kind::kMismatch: text = "call mismatch (the flag's call signature differs)"; break;
+      case ProtocolError::Kind::kViolation: text = "protocol violation: a flag arrived from a later round"; break;
+      default: text = "aborted"; break;
     }
   }
-  os << " (phase " << phase_name(static_cast<Phase>(r.phase)) << ", step " << r.step << ", waiting for rank " << r.peer
-     << ", expected epoch " << r.epoch << ", observed epoch " << r.observed << ")";
-  failure = os.str();
+  failure = failure_text(cfg.rank, text, static_cast<Phase>(r.phase), r.step, r.peer, r.epoch, r.observed);
   throw ProtocolError(kind, failure, cfg.rank, r.peer, static_cast<Phase>(r.phase), r.step, r.epoch, r.observed);
 }
 
@@ -329,43 +333,31 @@ void GpuExecutor::check(uintptr_t stream) {
   I.raise_recorded();
 }
 
-void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Variant variant,
+void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                              uintptr_t stream) {
   Impl& I = *impl_;
   NVRAR_CHECK(!I.closed, "all_reduce: the communicator is closed");
   NVRAR_CHECK(I.failure.empty(), "all_reduce: this communicator failed earlier and cannot be used again: ", I.failure);
   I.raise_recorded();  // an earlier kernel's failure surfaces here at the latest
   if (count == 0) return;
-  const size_t es = static_cast<size_t>(dtype_size(dtype));
-  const size_t bytes = count * es;
+  const CallPlan c = plan_call(I.limits, in, out, count, dtype, op, algorithm);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (I.cfg.world == 1) {
     if (in != out) NVRAR_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(out), reinterpret_cast<const void*>(in),
-                                                    bytes, cudaMemcpyDeviceToDevice, s));
+                                                    c.bytes, cudaMemcpyDeviceToDevice, s));
     return;
   }
-  const Variant v = resolve(variant, bytes);
-  NVRAR_CHECK(v == Variant::kTwoShot || v == Variant::kOneShot, "all_reduce: unknown variant");
-  // Slices: one block per block_bytes, at most max_blocks; every rank computes the same.
-  const int B = static_cast<int>(std::min<size_t>(static_cast<size_t>(I.cfg.max_blocks),
-                                                  std::max<size_t>(1, ceil_div(bytes, I.cfg.block_bytes))));
-  size_t chunk_bytes = I.cfg.max_bytes / static_cast<size_t>(I.cfg.max_blocks) * static_cast<size_t>(B);
-  if (v == Variant::kOneShot && I.where.N > 1)
-    chunk_bytes = std::min(chunk_bytes, I.layout.oneshot_chunk_bytes() / static_cast<size_t>(I.cfg.max_blocks) *
-                                            static_cast<size_t>(B));
-  chunk_bytes = std::max<size_t>(chunk_bytes / 64 * 64, 64);
-  const uintptr_t pool = pool_address();
   KernelParams kp{};
   kp.in = reinterpret_cast<const char*>(in);
   kp.out = reinterpret_cast<char*>(out);
   kp.count = count;
-  kp.chunk_elems = chunk_bytes / es;
-  kp.es = static_cast<int>(es);
-  kp.variant = static_cast<int>(v);
-  kp.sig = call_signature(count, static_cast<int>(dtype), static_cast<int>(op), static_cast<int>(v));
-  kp.sc = make_scale(op, I.cfg.world);
-  kp.in_pool = in >= pool && in + bytes <= pool + I.layout.pool_bytes;
-  kp.out_pool = out >= pool && out + bytes <= pool + I.layout.pool_bytes;
+  kp.chunk_elems = c.chunk_elems;
+  kp.es = static_cast<int>(c.es);
+  kp.algorithm = c.algorithm;
+  kp.sig = c.sig;
+  kp.sc = c.sc;
+  kp.in_pool = c.in_pool;
+  kp.out_pool = c.out_pool;
   kp.cfg = I.round;
   kp.my = I.segment;
   kp.peers = I.peers_dev;
@@ -384,7 +376,7 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
     // At each replay: wait for the eager launch recorded last before that replay.
     if (I.launched) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_launch, cudaEventWaitExternal));
   }
-  NVRAR_CUDA_CHECK(launch_allreduce(kp, dtype, op, B, I.cfg.threads, s));
+  NVRAR_CUDA_CHECK(launch_allreduce(kp, dtype, op, c.slices, I.cfg.threads, s));
   if (eager) {
     NVRAR_CUDA_CHECK(cudaEventRecord(I.last_launch, s));
     I.last_stream = s;

@@ -51,7 +51,10 @@ namespace nvrar {
 // to every row itself: the same bits as two-shot, with no all-gather.
 
 constexpr int kNormLanes = 32;            // strided partial sums of the mean of squares (a warp)
-constexpr int32_t kFusedOpCode = 16;      // "op" of the fused call in call descriptions
+// The op byte of a fused call's description and signature: past every RedOp, so that no
+// all_reduce call carries it.
+enum class FusedOp : int32_t { kAddRmsNorm = 16 };
+constexpr int32_t kFusedOpCode = static_cast<int32_t>(FusedOp::kAddRmsNorm);
 
 // Rows [begin, end) of local rank g's shard when R rows are cut into G shards.
 NVRAR_HD Range row_range(size_t rows, int G, int g) {

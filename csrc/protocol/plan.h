@@ -18,7 +18,7 @@ namespace nvrar {
 // the e-th round this rank ever ran on this communicator; every rank runs the same sequence of
 // rounds, so e names the same round everywhere. Epochs only increase; nothing is ever reset.
 //
-// Variants (chosen identically on every rank, see nvrar/selector.py):
+// Algorithms (chosen identically on every rank, see nvrar/selector.py):
 //   two-shot:  stage-in -> intra-node reduce-scatter (local rank g reduces shard g) -> inter-node
 //              recursive doubling of shard g among the N ranks with local index g -> all-gather.
 //   one-shot:  stage-in -> every rank reduces the whole chunk from all G local peers -> inter-node
@@ -48,14 +48,14 @@ namespace nvrar {
 //   inter[p][s]  my partner of step s put its data into my zone[p][s]
 //   abort        some rank failed; aux names it (never cleared: the communicator is dead)
 // A flag word is (epoch << 16) | signature, signature being a 16-bit hash of the call (count, dtype,
-// op, variant). A sender writes the slot's data, then stores the word with release semantics; a
+// op, algorithm). A sender writes the slot's data, then stores the word with release semantics; a
 // receiver waits with acquire loads until word >= (e << 16) (so epoch >= e), then checks that the
 // epoch is exactly e and the signature equals its own: a mismatch is a call mismatch between ranks,
 // an epoch > e a protocol violation; both abort instead of using the data. 16 bits cannot tell
 // every pair of calls apart (count 100000 and 131409, float32 two-shot, share a signature): the
 // CPU executor also carries the full call description in every flag cell and compares it, and
 // bounds every cross-memory transfer by the buffer the peer advertised (NOTE [call description]
-// in csrc/cpu/executor.cpp). The GPU transport still compares the signature only.
+// in csrc/cpu/segment.h). The GPU transport still compares the signature only.
 //
 // Why parity slots are enough. Write "A(e) -> B(e')" for "A cannot pass point X of round e before B
 // reached point Y of round e'". Three facts hold for every rank r:
@@ -89,7 +89,7 @@ namespace nvrar {
 //   user data of r (zero-copy, not parity-indexed): readers: local peer h reads shard h in the
 //     two-shot reduce phase of e; writer: r's all-gather of e (in place) and the user after the
 //     call returns. r writes shard h only after final(e) from h, stored after h's reduce phase;
-//     r returns only after every local peer's final(e). The one-shot variant never reads a user
+//     r returns only after every local peer's final(e). The one-shot algorithm never reads a user
 //     buffer of a peer: it always stages, since there all-gather flags do not exist.
 //   user output of r (pushed into by local peers): peer h writes only shard h, only after it saw
 //     ready(e) from r (r stores it once its input is staged, so an in-place input is no longer
@@ -106,15 +106,16 @@ namespace nvrar {
 // operand, higher node's operand) and both partners of an exchange evaluate the same expression;
 // fold-out copies a finished result. So every rank ends with the same bits.
 
-// Algorithm variants; codes shared with Python (nvrar/selector.py). kAuto applies the
+// The all-reduce algorithms. The one definition of their codes: Python reads them from
+// nvrar._C.ALGORITHM_CODES (bindings.cpp); never renumber. kAuto applies the
 // communicator's one-shot threshold.
-enum class Variant : int32_t { kAuto = 0, kTwoShot = 1, kOneShot = 2 };
+enum class Algorithm : int32_t { kAuto = 0, kTwoShot = 1, kOneShot = 2 };
 
-NVRAR_HD const char* variant_name(Variant v) {
+NVRAR_HD const char* algorithm_name(Algorithm v) {
   switch (v) {
-    case Variant::kAuto: return "auto";
-    case Variant::kTwoShot: return "two-shot";
-    case Variant::kOneShot: return "one-shot";
+    case Algorithm::kAuto: return "auto";
+    case Algorithm::kTwoShot: return "two-shot";
+    case Algorithm::kOneShot: return "one-shot";
   }
   return "?";
 }
@@ -122,7 +123,6 @@ NVRAR_HD const char* variant_name(Variant v) {
 constexpr int kAlignBytes = 16;       // shard bounds and chunk starts keep 16-byte alignment (GPU vector loads)
 constexpr int kSigBits = 16;          // low bits of a flag word: call signature
 constexpr uint64_t kSigMask = (uint64_t{1} << kSigBits) - 1;
-constexpr int kMaxInterSteps = 31;    // log2 of the largest node count we can address
 
 NVRAR_HD uint64_t flag_word(uint64_t epoch, uint32_t sig) { return (epoch << kSigBits) | (sig & kSigMask); }
 NVRAR_HD uint64_t flag_epoch(uint64_t word) { return word >> kSigBits; }
@@ -385,11 +385,7 @@ struct SegmentLayout {
   NVRAR_HD size_t llout(int parity, int slot, int b = 0) const {
     return llout_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * ll_slice_bytes;
   }
-  // Offset of the accumulator location `slot` as returned by InterSchedule (-1 = result slot).
-  NVRAR_HD size_t acc_location(int parity, int slot, int b = 0) const {
-    return slot < 0 ? result(parity, b) : zone(parity, slot, b);
-  }
-  // Largest chunk (bytes) whose every slice fits a zone slice whole: the one-shot variant across
+  // Largest chunk (bytes) whose every slice fits a zone slice whole: the one-shot algorithm across
   // nodes sends whole slices, not shards.
   NVRAR_HD size_t oneshot_chunk_bytes() const {
     return (zone_slice_bytes - 2 * kAlignBytes) / 64 * 64 * static_cast<size_t>(B);
@@ -398,10 +394,10 @@ struct SegmentLayout {
 
 // 16-bit call signature carried by every flag: a mismatch between ranks is caught at the first
 // flag they exchange. FNV-1a over the fields, folded to 16 bits; 0 is avoided.
-NVRAR_HD uint32_t call_signature(uint64_t count, int dtype, int op, int variant) {
+NVRAR_HD uint32_t call_signature(uint64_t count, int dtype, int op, int algorithm) {
   uint64_t h = 1469598103934665603ull;
   uint64_t fields[4] = {count, static_cast<uint64_t>(dtype), static_cast<uint64_t>(op),
-                        static_cast<uint64_t>(variant)};
+                        static_cast<uint64_t>(algorithm)};
   for (int f = 0; f < 4; ++f) {
     for (int b = 0; b < 8; ++b) {
       h ^= (fields[f] >> (8 * b)) & 0xffu;

@@ -16,7 +16,8 @@
 
 namespace nvrar {
 
-// Codes shared with Python (nvrar/_dtypes.py); never renumber.
+// The one definition of the dtype and op codes: Python reads them from nvrar._C.DTYPE_CODES,
+// OP_CODES and ELEMENT_SIZES (bindings.cpp); never renumber.
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3 };
 enum class RedOp : int32_t { kSum = 0, kMax = 1, kMin = 2, kAvg = 3 };
 

@@ -1,0 +1,106 @@
+// The CPU executor's shared-memory segment as its peers see it: the header at its start, the
+// flag cells and their call description, the transfer windows, the memory-order helpers, and the
+// liveness check of a segment's owner. Shared by the executor (csrc/cpu/executor.cpp) and every
+// rank that maps the segment; the byte layout of the rest is SegmentLayout (protocol/plan.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../protocol/plan.h"
+#include "shm_heap.h"
+
+namespace nvrar {
+
+constexpr size_t kSecretBytes = 16;  // the session secret every segment header carries
+constexpr uint64_t kMagic = 0x314741455352564eull;  // "NVRSEAG1", little-endian
+constexpr uint32_t kVersion = 1;
+constexpr size_t kCellStride = 64;                   // one cache line per flag cell
+
+// Host-side header at the start of every segment (page 0). Written by its owner at creation;
+// the call fields are rewritten (relaxed) at the start of every call, before its first flag.
+struct SegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t world;
+  int32_t ranks_per_node;
+  uint64_t config_hash;
+  int64_t pid;
+  uint64_t start_time;  // /proc/<pid>/stat field 22: tells a live peer from a reused pid
+  uint64_t self_base;   // where the owner maps this segment (target of the cross-memory probe)
+  uint64_t failed_epoch;  // != 0: the owner failed in this round and no longer touches any peer's memory
+  uint64_t call_epoch;
+  uint64_t call_count;
+  int32_t call_dtype;
+  int32_t call_op;
+  int32_t call_algorithm;
+  int32_t pad;
+  char error_text[2048];  // the message of this rank's failure, for the ranks it aborts
+  // Appended fields (after error_text, so that the offsets above never move).
+  uint64_t closed;        // != 0: the owner closed its communicator; it takes part in no round any more
+  uint64_t touch;         // touch_word(epoch, target) while the owner transfers to or from a peer's
+                          // private memory (NOTE [transfer windows]); 0 otherwise
+  uint8_t secret[kSecretBytes];  // the session's secret (CpuConfig::secret): every attaching rank checks it
+};
+static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
+
+// NOTE [call description]
+// The 16-bit signature of a flag word is a quick check only: two different calls can share it
+// (count 100000 and 131409, float32 two-shot, do). So every flag cell also carries the sender's
+// full call description (count, dtype/op/algorithm code, elements of this round), stored before
+// the flag word with the same release, and every wait compares it with its own before it uses
+// the peer's data or any offset or address the flag carries. LL packets (protocol/ll.h) carry
+// only the 16-bit flag: their sender stores the description into the step's inter cell before
+// the packets (and the flag word after them). The buffers a ready flag advertises are bounded
+// by the round's bytes, and every cross-memory transfer is checked against them.
+struct Cell {
+  uint64_t word;
+  uint64_t aux0;   // ready: byte offset of the sender's input; final: offset of its final shard
+  uint64_t aux1;   // ready: OutRef of the sender's output (protocol/plan.h)
+  uint64_t count;  // the sender's call: count
+  uint64_t code;   // the sender's call: dtype | op << 8 | algorithm << 16
+  uint64_t n;      // the sender's round: elements
+  uint64_t shape;  // the sender's call: row length h of a fused call (all_reduce_add_rms_norm), else 0
+};
+static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
+
+// NOTE [transfer windows]
+// A rank that failed returns to its caller, who may free or reuse the buffers its ready flag
+// exposed to cross-memory access. So every process_vm_readv/writev of a peer's private memory
+// runs inside a window: the transferring rank stores touch_word(e, target) into its own header,
+// fences, and only then checks that the target has not failed (its failed_epoch); the failing
+// rank stores its failed_epoch, fences, and then waits until no local peer's window names it.
+// Of two such sequences at least one sees the other's store (Dekker): either the transfer is
+// refused, or the failing rank waits for its window to close. The wait is bounded (kQuiesceMaxS):
+// only a peer stopped inside a window (a few microseconds per piece) can outlast it.
+inline uint64_t touch_word(uint64_t epoch, int target) { return (epoch << 24) | static_cast<uint64_t>(target + 1); }
+
+inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void store_relaxed(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// The start time of the process that owns the segment of `h`, where this process can verify it
+// (/proc/<pid>/stat field 22 matches the header); 0 where it cannot (another pid namespace).
+inline uint64_t owner_start_time(const SegmentHeader* h) {
+  return h->start_time != 0 && proc_stat(h->pid).first == h->start_time ? h->start_time : 0;
+}
+
+// Whether the owner of the segment of `h` still runs: same start time as when we attached (not a
+// reused pid) and not a zombie. `known` 0 (owner_start_time could not tell): the deadline decides.
+inline bool owner_alive(const SegmentHeader* h, uint64_t known) {
+  if (known == 0) return true;
+  const auto st = proc_stat(h->pid);
+  return st.first == known && st.second != 'Z' && st.second != 'X';
+}
+
+}  // namespace nvrar
