@@ -9,7 +9,8 @@
 
 The fused kernel is instantiated once per element type and reduction (12 instances), each in its
 own nvcc process (csrc/cuda/allreduce_inst.cu with NVRAR_INST_T / NVRAR_INST_OP), and the nvcc
-processes run in parallel. The CUDA sources are compiled with nvcc as relocatable device code, device-linked against
+processes run in parallel; so is the fused all-reduce + add + RMSNorm kernel, once per element type (3
+instances, csrc/cuda/fused_inst.cu). The CUDA sources are compiled with nvcc as relocatable device code, device-linked against
 libnvshmem_device.a, and linked by the host compiler into a module whose only exported symbol is
 its init function (no other library can pick up our NVSHMEM device state).
 """
@@ -46,6 +47,8 @@ CUDA_ARCHS = [a for a in os.environ.get("NVRAR_CUDA_ARCHS", "80;90").split(";") 
 BUILD_JOBS = int(os.environ.get("NVRAR_BUILD_JOBS", "0") or 0) or os.cpu_count() or 1
 # The kernel instances: csrc/cuda/allreduce_inst.cu compiled once per (element type, reduction).
 KERNEL_INSTANCES = [(t, op) for t in ("float", "f16", "bf16", "int32_t") for op in ("OpSum", "OpMax", "OpMin")]
+# The fused all-reduce + add + RMSNorm instances: csrc/cuda/fused_inst.cu once per element type.
+FUSED_INSTANCES = ["float", "f16", "bf16"]
 BUILD_LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "nvrar-cuda-build.log")
 
 
@@ -117,6 +120,9 @@ class BuildExt(pybind_build_ext):
                 for t, op in KERNEL_INSTANCES:
                     units.append((src, [f"-DNVRAR_INST_T={t}", f"-DNVRAR_INST_OP={op}"],
                                   os.path.join(tmp, f"allreduce_{t}_{op}.cu.o")))
+            elif stem == "fused_inst.cu":
+                for t in FUSED_INSTANCES:
+                    units.append((src, [f"-DNVRAR_INST_T={t}"], os.path.join(tmp, f"fused_{t}.cu.o")))
             else:
                 units.append((src, [], os.path.join(tmp, stem + ".o")))
         todo = []
@@ -168,7 +174,8 @@ if nvcc and nvshmem:
     cuda_ext = Pybind11Extension(
         "nvrar._cuda",
         sources=["csrc/cuda/bindings_cuda.cpp", "csrc/bindings_common.cpp", "csrc/cuda/runtime.cu",
-                 "csrc/cuda/allreduce.cu", "csrc/cuda/allreduce_inst.cu"],
+                 "csrc/cuda/allreduce.cu", "csrc/cuda/allreduce_inst.cu", "csrc/cuda/fused.cu",
+                 "csrc/cuda/fused_inst.cu"],
         include_dirs=["csrc", os.path.join(nvshmem, "include"), os.path.join(cuda_home, "include")],
         library_dirs=[os.path.join(nvshmem, "lib"), os.path.join(cuda_home, "lib64")],
         libraries=["nvshmem_device", ":libnvshmem_host.so.3", "cudart_static", "dl", "rt", "pthread"],

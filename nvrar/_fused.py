@@ -1,5 +1,6 @@
-"""Communicator.all_reduce_add_rms_norm: argument checks and the executor call (CPU), plus the
-fp32 reference math shared by the torch fallback and the tests.
+"""Communicator.all_reduce_add_rms_norm: argument checks and the executor call (CPU: numpy arrays
+or CPU tensors; GPU: CUDA tensors on the communicator's device, on the current torch stream), plus
+the fp32 reference math shared by the torch fallback and the tests.
 
 The numerics (NOTE [fused add + RMSNorm] in csrc/protocol/epilogue.h): s = all_reduce_sum(x)
 (rounded once to the dtype, as Communicator.all_reduce gives it); residual <- dtype(residual +
@@ -27,6 +28,8 @@ def _info(comm: Any, a: Any, what: str, write: bool) -> Tuple[int, int, int]:
             if write and not a.flags.writeable:
                 raise ValueError(f"all_reduce: {what} is read-only")
             return _arrays.numpy_info(a, what)
+        if comm._device == "cuda":
+            return _arrays.torch_info(a, what, device="cuda", index=comm._cuda_device, write=write)
         return _arrays.torch_info(a, what, write=write)
     except (TypeError, ValueError) as exc:
         raise type(exc)(str(exc).replace("all_reduce:", f"{_NAME}:", 1)) from None
@@ -50,6 +53,8 @@ def check_args(comm: Any, x: Any, residual: Any, weight: Any, eps: Any) -> Tuple
             raise TypeError(f"{_NAME}: {what} must be a numpy.ndarray or a torch.Tensor, got {type(a).__name__}")
     if len(set(kinds)) != 1:
         raise TypeError(f"{_NAME}: x, residual and weight must be of one kind, got {', '.join(kinds)}")
+    if comm._device == "cuda" and kinds[0] != "torch":
+        raise TypeError(f"{_NAME}: a device='cuda' communicator takes torch CUDA tensors, got numpy arrays")
     if x.dtype != residual.dtype or x.dtype != weight.dtype:
         raise TypeError(f"{_NAME}: x, residual and weight must have one dtype, got {_arrays.describe_dtype(x)}, "
                         f"{_arrays.describe_dtype(residual)}, {_arrays.describe_dtype(weight)}")
@@ -85,11 +90,14 @@ def all_reduce_add_rms_norm(comm: Any, x: Any, residual: Any, weight: Any, eps: 
     ex = comm._ex
     if ex is None:
         raise NvrarError(f"{_NAME}: the communicator is closed")
-    if comm._device != "cpu":
-        raise NvrarError(f"{_NAME}: not available on device='cuda' communicators yet (the GPU kernel of the fused "
-                         "round is not built); use all_reduce followed by the add and the norm")
     xp, rp, wp, rows, h, code, e32 = check_args(comm, x, residual, weight, eps)
     acode = comm._algorithm if algorithm is None else selector.algorithm_code(algorithm)
+    if comm._device == "cuda":
+        import torch
+
+        stream = torch.cuda.current_stream(x.device)
+        ex.all_reduce_add_rms_norm(xp, rp, wp, rows, h, code, e32, acode, _arrays.stream_handle(stream))
+        return x, residual
     ex.all_reduce_add_rms_norm(xp, rp, wp, rows, h, code, e32, acode)
     return x, residual
 

@@ -113,5 +113,75 @@ def task_gpu_cupy(args: dict) -> dict:
     return {"ok": ok, "ok_empty": ok_empty}
 
 
+def task_gpu_fused(args: dict) -> dict:
+    """all_reduce_add_rms_norm on CUDA tensors against the unfused reference (the GPU all_reduce,
+    then nvrar._fused.reference in fp32 on the host): residual bitwise, x within 1 ulp; one-shot and
+    two-shot bitwise equal; a digest of every output for the cross-rank comparison. Bad inputs
+    (numpy arrays, CPU tensors) raise before any communication."""
+    import hashlib
+
+    import numpy as np
+
+    from nvrar import _fused
+    from _fused_tasks import DTYPES, inputs, ordered
+
+    comm = _comm(args)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    raised = {}
+    x, r, w = inputs(comm.rank, 2, 8, torch.float32, 1)
+    for name, fn in {"numpy": lambda: comm.all_reduce_add_rms_norm(x.numpy(), r.numpy(), w.numpy()),
+                     "cpu": lambda: comm.all_reduce_add_rms_norm(x, r, w),
+                     "mixed": lambda: comm.all_reduce_add_rms_norm(x.to(dev), r, w.to(dev))}.items():
+        try:
+            fn()
+            raised[name] = None
+        except (TypeError, ValueError) as exc:
+            raised[name] = f"{type(exc).__name__}: {exc}"
+    failures, checked, worst = [], 0, 0
+    digest = hashlib.sha256()
+    case = 0
+    # The minimal load (PEs time-slicing the GPU) keeps the smallest and the largest sizes.
+    all_rows, hs = args["rows"], args["hs"]
+    if LOAD == "minimal":
+        all_rows, hs = [all_rows[0], all_rows[-1]], [hs[0], hs[-1]]
+    for dname in args["dtypes"]:
+        dtype = DTYPES[dname]
+        for rows in all_rows:
+            for h in hs:
+                case += 1
+                x0, res0, w = inputs(comm.rank, rows, h, dtype, case)
+                x0, res0, w = x0.to(dev), res0.to(dev), w.to(dev)
+                eps = 1e-6 if case % 2 else 1e-5
+                s = comm.all_reduce(x0.clone())
+                torch.cuda.synchronize()
+                ref_x, ref_r = _fused.reference(s.cpu(), res0.cpu(), w.cpu(), eps)
+                outs = {}
+                for algo in ("one-shot", "two-shot", "auto"):
+                    x, r = x0.clone(), res0.clone()
+                    rx, rr = comm.all_reduce_add_rms_norm(x, r, w, eps, algorithm=algo)
+                    assert rx is x and rr is r
+                    torch.cuda.synchronize()
+                    x, r = x.cpu(), r.cpu()
+                    outs[algo] = (x, r)
+                    ulp = int((ordered(x) - ordered(ref_x)).abs().max())
+                    worst = max(worst, ulp)
+                    tag = f"{dname} rows={rows} h={h} {algo}"
+                    if not torch.equal(ordered(r), ordered(ref_r)):
+                        failures.append(f"{tag}: residual differs from residual + all_reduce(x)")
+                    if ulp > 1:
+                        failures.append(f"{tag}: x is {ulp} ulp from the reference")
+                    checked += 1
+                a, b = outs["one-shot"], outs["two-shot"]
+                if not (torch.equal(ordered(a[0]), ordered(b[0])) and torch.equal(ordered(a[1]), ordered(b[1]))):
+                    failures.append(f"{dname} rows={rows} h={h}: one-shot and two-shot differ")
+                for algo in ("one-shot", "two-shot", "auto"):
+                    for t in outs[algo]:
+                        digest.update(np.ascontiguousarray(t.contiguous().view(torch.uint8).numpy()).tobytes())
+    comm.check()
+    comm.close()
+    return {"raised": raised, "failures": failures, "checked": checked, "cases": case, "worst_ulp": worst,
+            "digest": digest.hexdigest()}
+
+
 TASKS = {"gpu_matrix": task_gpu_matrix, "gpu_graph": task_gpu_graph, "gpu_timeout": task_gpu_timeout,
-         "gpu_cupy": task_gpu_cupy}
+         "gpu_cupy": task_gpu_cupy, "gpu_fused": task_gpu_fused}

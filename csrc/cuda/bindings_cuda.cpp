@@ -73,6 +73,15 @@ PYBIND11_MODULE(_cuda, m) {
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
           py::arg("algorithm"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_reduce_add_rms_norm",
+          [](gpu::GpuExecutor& ex, uintptr_t x, uintptr_t residual, uintptr_t weight, size_t rows, size_t h,
+             int dtype, float eps, int algorithm, uintptr_t stream) {
+            ex.all_reduce_add_rms_norm(x, residual, weight, rows, h, static_cast<DType>(dtype), eps,
+                                       static_cast<Algorithm>(algorithm), stream);
+          },
+          py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("rows"), py::arg("h"), py::arg("dtype"),
+          py::arg("eps"), py::arg("algorithm"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("check", &gpu::GpuExecutor::check, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("resolve",
            [](const gpu::GpuExecutor& ex, int algorithm, size_t bytes) {

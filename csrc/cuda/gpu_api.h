@@ -61,6 +61,11 @@ class GpuExecutor {
   // failure of an earlier call first, if the device recorded one.
   void all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                   uintptr_t stream);
+  // Enqueues the fused all-reduce + residual add + RMSNorm (protocol/epilogue.h) on `stream`:
+  // x and residual: rows x h elements, weight: h elements, one dtype (float32, float16, bfloat16),
+  // in place (NOTE [fused add + RMSNorm]). One kernel of one block per call (fused_kernel.cuh).
+  void all_reduce_add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, size_t rows, size_t h, DType dtype,
+                               float eps, Algorithm algorithm, uintptr_t stream);
   // Raise if a kernel recorded a failure (after synchronizing `stream` when nonzero).
   void check(uintptr_t stream);
   Algorithm resolve(Algorithm v, size_t bytes) const;

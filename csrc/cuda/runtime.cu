@@ -15,7 +15,9 @@
 
 #include "../common/error.h"
 #include "../protocol/call.h"
+#include "../protocol/epilogue.h"
 #include "device.cuh"
+#include "fused_launch.h"
 #include "gpu_api.h"
 #include "launch.h"
 
@@ -147,9 +149,12 @@ struct GpuExecutor::Impl {
   cudaStream_t last_stream = nullptr;
   bool launched = false;
   bool captured = false;  // a call was captured: a replay may run at any time on any stream
+  int fused_threads = 0;  // threads per block of the fused kernel (0: not queried yet)
 
   void init_nvshmem(const std::string& uid);
   void raise_recorded();
+  template <typename Launch>
+  void enqueue(cudaStream_t s, const char* what, const Launch& launch);
 };
 
 void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
@@ -385,6 +390,106 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
     NVRAR_CUDA_CHECK(cudaEventRecordWithFlags(I.last_replay, s, cudaEventRecordExternal));
     I.captured = true;
   }
+}
+
+// The stream ordering of all_reduce (Impl's NOTE on last_launch / last_replay) around one launch.
+// TODO(integrator): all_reduce could share this.
+template <typename Launch>
+void GpuExecutor::Impl::enqueue(cudaStream_t s, const char* what, const Launch& launch) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  NVRAR_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+  const bool eager = capturing == cudaStreamCaptureStatusNone;
+  NVRAR_CHECK(eager || capturing == cudaStreamCaptureStatusActive, what,
+              ": the stream's graph capture was invalidated (an earlier operation on it failed)");
+  if (eager) {
+    if (launched && s != last_stream) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_launch, 0));
+    if (captured) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_replay, 0));
+  } else if (launched) {
+    NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_launch, cudaEventWaitExternal));
+  }
+  NVRAR_CUDA_CHECK(launch());
+  if (eager) {
+    NVRAR_CUDA_CHECK(cudaEventRecord(last_launch, s));
+    last_stream = s;
+    launched = true;
+  } else {
+    NVRAR_CUDA_CHECK(cudaEventRecordWithFlags(last_replay, s, cudaEventRecordExternal));
+    captured = true;
+  }
+}
+
+// The fused all-reduce + residual add + RMSNorm (protocol/epilogue.h, NOTE [fused add +
+// RMSNorm]): the CPU executor's algorithm and chunking (fused_chunk_rows), one kernel launch of ONE
+// block that runs the chunks one after the other (fused_kernel.cuh: the fused round's shards are
+// cut on row boundaries across the local ranks, not further into per-block slices).
+void GpuExecutor::all_reduce_add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, size_t rows, size_t h,
+                                          DType dtype, float eps, Algorithm requested, uintptr_t stream) {
+  Impl& I = *impl_;
+  const char* what = "all_reduce_add_rms_norm";
+  NVRAR_CHECK(!I.closed, what, ": the communicator is closed");
+  NVRAR_CHECK(I.failure.empty(), what, ": this communicator failed earlier and cannot be used again: ", I.failure);
+  I.raise_recorded();
+  NVRAR_CHECK(h >= 1, what, ": the hidden size h must be >= 1");
+  NVRAR_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16, what, ": dtype ",
+              dtype_name(dtype), " is not supported (float32, float16, bfloat16)");
+  if (rows == 0) return;
+  const size_t es = static_cast<size_t>(dtype_size(dtype));
+  NVRAR_CHECK(rows <= SIZE_MAX / h / es, what, ": ", rows, " rows of ", h, " elements overflow");
+  const size_t row_bytes = h * es;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (I.fused_threads == 0) {
+    const int limit = max_threads_fused();
+    NVRAR_CHECK(limit >= 32, what, ": cannot query the fused kernel's launch limits on this device");
+    I.fused_threads = std::min(I.cfg.threads, std::min(limit, kMaxThreads)) / 32 * 32;
+  }
+  Algorithm v = resolve(requested, rows * row_bytes);
+  NVRAR_CHECK(v == Algorithm::kTwoShot || v == Algorithm::kOneShot, what, ": unknown algorithm code ", static_cast<int>(v));
+  const Layout& w = I.where;
+  // One block is one slice: a one-shot chunk across nodes must fit one slice's zone (the layout's
+  // oneshot_chunk_bytes counts max_blocks slices).
+  auto chunk_rows = [&](Algorithm u) {
+    size_t c = fused_chunk_rows(I.layout, I.cfg.max_bytes, w.G, w.N, row_bytes, u == Algorithm::kOneShot);
+    if (u == Algorithm::kOneShot && w.N > 1)
+      c = std::min(c, I.layout.oneshot_chunk_bytes() / static_cast<size_t>(I.layout.B) / row_bytes);
+    return c;
+  };
+  size_t chunk = I.cfg.world == 1 ? rows : chunk_rows(v);
+  if (chunk == 0 && v == Algorithm::kOneShot && requested == Algorithm::kAuto) {
+    v = Algorithm::kTwoShot;  // a row too long for a one-shot zone (every rank decides alike)
+    chunk = chunk_rows(v);
+  }
+  NVRAR_CHECK(chunk > 0, what, ": a row of h=", h, " ", dtype_name(dtype), " elements (", row_bytes,
+              " bytes) does not fit this communicator's ", algorithm_name(v), " round (max_bytes=", I.cfg.max_bytes,
+              "); raise max_bytes");
+  FusedParams fp{};
+  KernelParams& kp = fp.kp;
+  kp.in = reinterpret_cast<const char*>(x);
+  kp.out = reinterpret_cast<char*>(x);
+  kp.count = rows * h;
+  kp.chunk_elems = chunk * h;
+  kp.es = static_cast<int>(es);
+  kp.algorithm = v;
+  kp.sig = fused_signature(rows * h, static_cast<int>(dtype), static_cast<int>(v), h, eps);
+  kp.sc = make_scale(RedOp::kSum, 1);
+  kp.in_pool = false;
+  kp.out_pool = false;
+  kp.cfg = I.round;
+  kp.my = I.segment;
+  kp.peers = I.peers_dev;
+  kp.state = I.state;
+  kp.err = I.err_dev;
+  kp.timeout_ns = static_cast<unsigned long long>(I.cfg.timeout_s * 1e9);
+  fp.res = reinterpret_cast<char*>(residual);
+  fp.weight = reinterpret_cast<const char*>(weight);
+  fp.rows = rows;
+  fp.h = h;
+  fp.chunk_rows = chunk;
+  fp.eps = eps;
+  // A world of one: the one-shot round with G = N = 1 signals nobody (x is its own sum), then the
+  // epilogue.
+  if (I.cfg.world == 1) kp.algorithm = Algorithm::kOneShot;
+  const int threads = I.fused_threads;
+  I.enqueue(s, what, [&]() { return launch_fused(fp, dtype, threads, s); });
 }
 
 }  // namespace gpu

@@ -1,6 +1,6 @@
 """The GPU executor on real processes: the correctness matrix on CUDA tensors (with emulated
-nodes, so that inter-node exchanges go through NVSHMEM), CUDA-graph replays, the timeout path,
-cupy input. Several processes may share one GPU (NVSHMEM's multi-process-per-GPU mode): the
+nodes, so that inter-node exchanges go through NVSHMEM), the fused all-reduce + add + RMSNorm,
+CUDA-graph replays, the timeout path, cupy input. Several processes may share one GPU (NVSHMEM's multi-process-per-GPU mode): the
 environment below is the one that mode needs."""
 
 import os
@@ -40,6 +40,26 @@ def test_gpu_matrix(world, G):
         pick = (lambda r: r) if section == "matrix" else (lambda r, s=section: r[s])
         assert all(pick(r)["failures"] == [] for r in reports), [pick(r)["failures"] for r in reports]
         assert len({pick(r)["digest"] for r in reports}) == 1, f"{section}: ranks differ bitwise"
+
+
+FUSED_LAYOUTS = [(2, 2), (4, 2)]
+
+
+@pytest.mark.parametrize("world,G", FUSED_LAYOUTS, ids=[f"W{w}G{g}" for w, g in FUSED_LAYOUTS])
+def test_gpu_fused_add_rms_norm(world, G):
+    """all_reduce_add_rms_norm on the GPU executor (fused_kernel.cuh) against the unfused
+    reference, 3 dtypes, rows across several chunks (max_bytes=1 MiB: 8 rows of h=4096 bf16 per
+    two-shot chunk), h not a multiple of the rank count; bitwise identical across ranks."""
+    args = {"G": G, "max_bytes": 1 << 20, "dtypes": ["float32", "float16", "bfloat16"], "rows": [1, 3, 17],
+            "hs": [7, 33, 4096]}
+    reports = assert_all_ok(launch(world, "gpu_fused", args, env=env(), timeout=LAUNCH_TIMEOUT))
+    for r in reports:
+        assert r["failures"] == [], r["failures"]
+        assert r["worst_ulp"] <= 1 and r["cases"] >= 3 * 2 * 2 and r["checked"] == 3 * r["cases"], r
+        assert all(v is not None for v in r["raised"].values()), r["raised"]
+        assert r["raised"]["numpy"].startswith("TypeError") and "device='cuda'" in r["raised"]["numpy"], r["raised"]
+        assert r["raised"]["cpu"].startswith("ValueError") and "cuda:" in r["raised"]["cpu"], r["raised"]
+    assert len({r["digest"] for r in reports}) == 1, "ranks differ bitwise"
 
 
 def test_gpu_matrix_put_with_signal_only():
