@@ -31,6 +31,37 @@ def inputs(rank: int, rows: int, h: int, dtype: torch.dtype, case: int):
     return x, res, w
 
 
+ALGORITHMS = ("one-shot", "two-shot", "auto")
+
+
+def check_case(comm: Any, x0: Any, res0: Any, w: Any, eps: float, tag: str, to_host: Any = lambda t: t,
+               sync: Any = lambda: None) -> tuple:
+    """The fused call with every algorithm on copies of (x0, res0), against the unfused reference
+    on the plain all-reduce's sum: residual bitwise, x within 1 ulp, one-shot equal to two-shot.
+    Returns ({algorithm: (x, residual) on the host}, failures, worst ulp)."""
+    s = comm.all_reduce(x0.clone())
+    sync()
+    ref_x, ref_r = _fused.reference(to_host(s), to_host(res0), to_host(w), eps)
+    outs, failures, worst = {}, [], 0
+    for algo in ALGORITHMS:
+        x, r = x0.clone(), res0.clone()
+        rx, rr = comm.all_reduce_add_rms_norm(x, r, w, eps, algorithm=algo)
+        assert rx is x and rr is r
+        sync()
+        x, r = to_host(x), to_host(r)
+        outs[algo] = (x, r)
+        ulp = int((ordered(x) - ordered(ref_x)).abs().max())
+        worst = max(worst, ulp)
+        if not torch.equal(ordered(r), ordered(ref_r)):
+            failures.append(f"{tag} {algo}: residual differs from residual + all_reduce(x)")
+        if ulp > 1:
+            failures.append(f"{tag} {algo}: x is {ulp} ulp from the reference")
+    a, b = outs["one-shot"], outs["two-shot"]
+    if not (torch.equal(ordered(a[0]), ordered(b[0])) and torch.equal(ordered(a[1]), ordered(b[1]))):
+        failures.append(f"{tag}: one-shot and two-shot differ")
+    return outs, failures, worst
+
+
 def task_fused_check(args: Dict[str, Any]) -> dict:
     comm = nvrar.Communicator(ranks_per_node=args["G"], max_bytes=args.get("max_bytes", 4 << 20))
     failures, checked, worst = [], 0, 0
@@ -43,25 +74,10 @@ def task_fused_check(args: Dict[str, Any]) -> dict:
                 case += 1
                 x0, res0, w = inputs(comm.rank, rows, h, dtype, case)
                 eps = 1e-6 if case % 2 else 1e-5
-                s = comm.all_reduce(x0.clone())
-                ref_x, ref_r = _fused.reference(s, res0, w, eps)
-                outs = {}
-                for algo in ("one-shot", "two-shot", "auto"):
-                    x, r = x0.clone(), res0.clone()
-                    rx, rr = comm.all_reduce_add_rms_norm(x, r, w, eps, algorithm=algo)
-                    assert rx is x and rr is r
-                    outs[algo] = (x, r)
-                    ulp = int((ordered(x) - ordered(ref_x)).abs().max())
-                    worst = max(worst, ulp)
-                    tag = f"{dname} rows={rows} h={h} {algo}"
-                    if not torch.equal(ordered(r), ordered(ref_r)):
-                        failures.append(f"{tag}: residual differs from residual + all_reduce(x)")
-                    if ulp > 1:
-                        failures.append(f"{tag}: x is {ulp} ulp from the reference")
-                    checked += 1
-                a, b = outs["one-shot"], outs["two-shot"]
-                if not (torch.equal(ordered(a[0]), ordered(b[0])) and torch.equal(ordered(a[1]), ordered(b[1]))):
-                    failures.append(f"{dname} rows={rows} h={h}: one-shot and two-shot differ")
+                outs, bad, ulp = check_case(comm, x0, res0, w, eps, f"{dname} rows={rows} h={h}")
+                failures += bad
+                worst = max(worst, ulp)
+                checked += len(ALGORITHMS)
                 for t in outs["auto"]:
                     digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     comm.close()

@@ -122,8 +122,7 @@ def task_gpu_fused(args: dict) -> dict:
 
     import numpy as np
 
-    from nvrar import _fused
-    from _fused_tasks import DTYPES, inputs, ordered
+    from _fused_tasks import ALGORITHMS, DTYPES, check_case, inputs
 
     comm = _comm(args)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -152,29 +151,12 @@ def task_gpu_fused(args: dict) -> dict:
                 x0, res0, w = inputs(comm.rank, rows, h, dtype, case)
                 x0, res0, w = x0.to(dev), res0.to(dev), w.to(dev)
                 eps = 1e-6 if case % 2 else 1e-5
-                s = comm.all_reduce(x0.clone())
-                torch.cuda.synchronize()
-                ref_x, ref_r = _fused.reference(s.cpu(), res0.cpu(), w.cpu(), eps)
-                outs = {}
-                for algo in ("one-shot", "two-shot", "auto"):
-                    x, r = x0.clone(), res0.clone()
-                    rx, rr = comm.all_reduce_add_rms_norm(x, r, w, eps, algorithm=algo)
-                    assert rx is x and rr is r
-                    torch.cuda.synchronize()
-                    x, r = x.cpu(), r.cpu()
-                    outs[algo] = (x, r)
-                    ulp = int((ordered(x) - ordered(ref_x)).abs().max())
-                    worst = max(worst, ulp)
-                    tag = f"{dname} rows={rows} h={h} {algo}"
-                    if not torch.equal(ordered(r), ordered(ref_r)):
-                        failures.append(f"{tag}: residual differs from residual + all_reduce(x)")
-                    if ulp > 1:
-                        failures.append(f"{tag}: x is {ulp} ulp from the reference")
-                    checked += 1
-                a, b = outs["one-shot"], outs["two-shot"]
-                if not (torch.equal(ordered(a[0]), ordered(b[0])) and torch.equal(ordered(a[1]), ordered(b[1]))):
-                    failures.append(f"{dname} rows={rows} h={h}: one-shot and two-shot differ")
-                for algo in ("one-shot", "two-shot", "auto"):
+                outs, bad, ulp = check_case(comm, x0, res0, w, eps, f"{dname} rows={rows} h={h}",
+                                            to_host=lambda t: t.cpu(), sync=torch.cuda.synchronize)
+                failures += bad
+                worst = max(worst, ulp)
+                checked += len(ALGORITHMS)
+                for algo in ALGORITHMS:
                     for t in outs[algo]:
                         digest.update(np.ascontiguousarray(t.contiguous().view(torch.uint8).numpy()).tobytes())
     comm.check()

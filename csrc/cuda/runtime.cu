@@ -155,6 +155,7 @@ struct GpuExecutor::Impl {
   void raise_recorded();
   template <typename Launch>
   void enqueue(cudaStream_t s, const char* what, const Launch& launch);
+  void fill_executor_params(KernelParams& kp) const;
 };
 
 void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
@@ -338,6 +339,41 @@ void GpuExecutor::check(uintptr_t stream) {
   I.raise_recorded();
 }
 
+// The stream ordering of every launch (Impl's NOTE on last_launch / last_replay) around one launch.
+template <typename Launch>
+void GpuExecutor::Impl::enqueue(cudaStream_t s, const char* what, const Launch& launch) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  NVRAR_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+  const bool eager = capturing == cudaStreamCaptureStatusNone;
+  NVRAR_CHECK(eager || capturing == cudaStreamCaptureStatusActive, what,
+              ": the stream's graph capture was invalidated (an earlier operation on it failed)");
+  if (eager) {
+    if (launched && s != last_stream) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_launch, 0));
+    if (captured) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_replay, 0));
+  } else if (launched) {
+    NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_launch, cudaEventWaitExternal));
+  }
+  NVRAR_CUDA_CHECK(launch());
+  if (eager) {
+    NVRAR_CUDA_CHECK(cudaEventRecord(last_launch, s));
+    last_stream = s;
+    launched = true;
+  } else {
+    NVRAR_CUDA_CHECK(cudaEventRecordWithFlags(last_replay, s, cudaEventRecordExternal));
+    captured = true;
+  }
+}
+
+// The fields of KernelParams that come from the executor, not from the call.
+void GpuExecutor::Impl::fill_executor_params(KernelParams& kp) const {
+  kp.cfg = round;
+  kp.my = segment;
+  kp.peers = peers_dev;
+  kp.state = state;
+  kp.err = err_dev;
+  kp.timeout_ns = static_cast<unsigned long long>(cfg.timeout_s * 1e9);
+}
+
 void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                              uintptr_t stream) {
   Impl& I = *impl_;
@@ -363,60 +399,10 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
   kp.sc = c.sc;
   kp.in_pool = c.in_pool;
   kp.out_pool = c.out_pool;
-  kp.cfg = I.round;
-  kp.my = I.segment;
-  kp.peers = I.peers_dev;
-  kp.state = I.state;
-  kp.err = I.err_dev;
-  kp.timeout_ns = static_cast<unsigned long long>(I.cfg.timeout_s * 1e9);
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  NVRAR_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-  const bool eager = capturing == cudaStreamCaptureStatusNone;
-  NVRAR_CHECK(eager || capturing == cudaStreamCaptureStatusActive,
-              "all_reduce: the stream's graph capture was invalidated (an earlier operation on it failed)");
-  if (eager) {
-    if (I.launched && s != I.last_stream) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_launch, 0));
-    if (I.captured) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_replay, 0));
-  } else {
-    // At each replay: wait for the eager launch recorded last before that replay.
-    if (I.launched) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, I.last_launch, cudaEventWaitExternal));
-  }
-  NVRAR_CUDA_CHECK(launch_allreduce(kp, dtype, op, c.slices, I.cfg.threads, s));
-  if (eager) {
-    NVRAR_CUDA_CHECK(cudaEventRecord(I.last_launch, s));
-    I.last_stream = s;
-    I.launched = true;
-  } else {
-    NVRAR_CUDA_CHECK(cudaEventRecordWithFlags(I.last_replay, s, cudaEventRecordExternal));
-    I.captured = true;
-  }
+  I.fill_executor_params(kp);
+  I.enqueue(s, "all_reduce", [&]() { return launch_allreduce(kp, dtype, op, c.slices, I.cfg.threads, s); });
 }
 
-// The stream ordering of all_reduce (Impl's NOTE on last_launch / last_replay) around one launch.
-// TODO(integrator): all_reduce could share this.
-template <typename Launch>
-void GpuExecutor::Impl::enqueue(cudaStream_t s, const char* what, const Launch& launch) {
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  NVRAR_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-  const bool eager = capturing == cudaStreamCaptureStatusNone;
-  NVRAR_CHECK(eager || capturing == cudaStreamCaptureStatusActive, what,
-              ": the stream's graph capture was invalidated (an earlier operation on it failed)");
-  if (eager) {
-    if (launched && s != last_stream) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_launch, 0));
-    if (captured) NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_replay, 0));
-  } else if (launched) {
-    NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_launch, cudaEventWaitExternal));
-  }
-  NVRAR_CUDA_CHECK(launch());
-  if (eager) {
-    NVRAR_CUDA_CHECK(cudaEventRecord(last_launch, s));
-    last_stream = s;
-    launched = true;
-  } else {
-    NVRAR_CUDA_CHECK(cudaEventRecordWithFlags(last_replay, s, cudaEventRecordExternal));
-    captured = true;
-  }
-}
 
 // The fused all-reduce + residual add + RMSNorm (protocol/epilogue.h, NOTE [fused add +
 // RMSNorm]): the CPU executor's algorithm and chunking (fused_chunk_rows), one kernel launch of ONE
@@ -473,12 +459,7 @@ void GpuExecutor::all_reduce_add_rms_norm(uintptr_t x, uintptr_t residual, uintp
   kp.sc = make_scale(RedOp::kSum, 1);
   kp.in_pool = false;
   kp.out_pool = false;
-  kp.cfg = I.round;
-  kp.my = I.segment;
-  kp.peers = I.peers_dev;
-  kp.state = I.state;
-  kp.err = I.err_dev;
-  kp.timeout_ns = static_cast<unsigned long long>(I.cfg.timeout_s * 1e9);
+  I.fill_executor_params(kp);
   fp.res = reinterpret_cast<char*>(residual);
   fp.weight = reinterpret_cast<const char*>(weight);
   fp.rows = rows;

@@ -58,29 +58,15 @@ constexpr int32_t kFusedOpCode = static_cast<int32_t>(FusedOp::kAddRmsNorm);
 
 // Rows [begin, end) of local rank g's shard when R rows are cut into G shards.
 NVRAR_HD Range row_range(size_t rows, int G, int g) {
-  const size_t per = ceil_div(rows, static_cast<size_t>(G));
-  size_t b = per * static_cast<size_t>(g);
-  size_t e = b + per;
-  Range r;
-  r.begin = b < rows ? b : rows;
-  r.end = e < rows ? e : rows;
-  return r;
+  return part_range(rows, ceil_div(rows, static_cast<size_t>(G)), g);
 }
 
-// 16-bit signature of a fused call: count, dtype, variant, h and the bits of eps (another h or
+// 16-bit signature of a fused call: count, dtype, algorithm, h and the bits of eps (another h or
 // eps on one rank is a call mismatch, like another count).
-NVRAR_HD uint32_t fused_signature(uint64_t count, int dtype, int variant, uint64_t h, float eps) {
-  uint64_t h64 = 1469598103934665603ull;
+NVRAR_HD uint32_t fused_signature(uint64_t count, int dtype, int algorithm, uint64_t h, float eps) {
   const uint64_t fields[6] = {count, static_cast<uint64_t>(dtype), static_cast<uint64_t>(kFusedOpCode),
-                              static_cast<uint64_t>(variant), h, static_cast<uint64_t>(float_bits(eps))};
-  for (int f = 0; f < 6; ++f) {
-    for (int b = 0; b < 8; ++b) {
-      h64 ^= (fields[f] >> (8 * b)) & 0xffu;
-      h64 *= 1099511628211ull;
-    }
-  }
-  const uint32_t s = static_cast<uint32_t>((h64 ^ (h64 >> 16) ^ (h64 >> 32) ^ (h64 >> 48)) & kSigMask);
-  return s == 0 ? 1u : s;
+                              static_cast<uint64_t>(algorithm), h, static_cast<uint64_t>(float_bits(eps))};
+  return signature_of(fields, 6);
 }
 
 // fp32 multiply and add, each rounded (no contraction into an FMA on the device either; the host

@@ -173,14 +173,19 @@ NVRAR_HD size_t shard_elems(size_t count, int elem_size, int G) {
   return align_up(per, a);
 }
 
-NVRAR_HD Range shard_range(size_t count, int elem_size, int G, int g) {
-  size_t ss = shard_elems(count, elem_size, G);
-  size_t b = ss * static_cast<size_t>(g);
-  size_t e = b + ss;
+// Part g of `total` items cut into parts of `per`, clamped to the total (the last parts may be
+// short or empty).
+NVRAR_HD Range part_range(size_t total, size_t per, int g) {
+  const size_t b = per * static_cast<size_t>(g);
+  const size_t e = b + per;
   Range r;
-  r.begin = b < count ? b : count;
-  r.end = e < count ? e : count;
+  r.begin = b < total ? b : total;
+  r.end = e < total ? e : total;
   return r;
+}
+
+NVRAR_HD Range shard_range(size_t count, int elem_size, int G, int g) {
+  return part_range(count, shard_elems(count, elem_size, G), g);
 }
 
 // Inter-node recursive doubling with fold-in / fold-out, for any N >= 1.
@@ -392,13 +397,12 @@ struct SegmentLayout {
   }
 };
 
-// 16-bit call signature carried by every flag: a mismatch between ranks is caught at the first
-// flag they exchange. FNV-1a over the fields, folded to 16 bits; 0 is avoided.
-NVRAR_HD uint32_t call_signature(uint64_t count, int dtype, int op, int algorithm) {
+// 16-bit signature of a call description: FNV-1a over the fields, folded to 16 bits; 0 is
+// avoided. Every flag carries it, so a mismatch between ranks is usually caught at the first flag
+// they exchange (a quick check only: NOTE [call description] in csrc/cpu/segment.h).
+NVRAR_HD uint32_t signature_of(const uint64_t* fields, int n) {
   uint64_t h = 1469598103934665603ull;
-  uint64_t fields[4] = {count, static_cast<uint64_t>(dtype), static_cast<uint64_t>(op),
-                        static_cast<uint64_t>(algorithm)};
-  for (int f = 0; f < 4; ++f) {
+  for (int f = 0; f < n; ++f) {
     for (int b = 0; b < 8; ++b) {
       h ^= (fields[f] >> (8 * b)) & 0xffu;
       h *= 1099511628211ull;
@@ -406,6 +410,12 @@ NVRAR_HD uint32_t call_signature(uint64_t count, int dtype, int op, int algorith
   }
   uint32_t s = static_cast<uint32_t>((h ^ (h >> 16) ^ (h >> 32) ^ (h >> 48)) & kSigMask);
   return s == 0 ? 1u : s;
+}
+
+NVRAR_HD uint32_t call_signature(uint64_t count, int dtype, int op, int algorithm) {
+  const uint64_t fields[4] = {count, static_cast<uint64_t>(dtype), static_cast<uint64_t>(op),
+                              static_cast<uint64_t>(algorithm)};
+  return signature_of(fields, 4);
 }
 
 }  // namespace nvrar
