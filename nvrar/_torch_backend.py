@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceCoalescedOptions, AllreduceOptions, PrefixStore
 
 from . import selector, settings
-from ._torch_state import GroupState, StoreBootstrap, Work, groups, lock, op_name, state_for_group
+from ._torch_state import GroupState, StoreBootstrap, Work, groups, lock, op_name, state_for_group, state_of
 
 NAME = "nvrar"
 _BackendType = dist.ProcessGroup.BackendType
@@ -92,18 +92,13 @@ class NvrarProcessGroup(dist.ProcessGroup):
     def _state(self, device: str) -> GroupState:
         if self._wrapped is not None:
             return state_for_group(self._wrapped, device)
-        key = (self, device)
-        st = groups.get(key)
-        if st is None:
-            with lock:
-                st = groups.get(key)
-                if st is None:
-                    prefix = f"nvrar/{device}/{next(self._sequence)}"  # a new one after nt.reset()
-                    st = groups[key] = GroupState(
-                        device, self.size(),
-                        lambda: StoreBootstrap(self._store, prefix, self.rank(), self.size(), self._timeout),
-                        self._label)
-        return st
+        def make() -> GroupState:
+            prefix = f"nvrar/{device}/{next(self._sequence)}"  # a new one after nt.reset()
+            return GroupState(device, self.size(),
+                              lambda: StoreBootstrap(self._store, prefix, self.rank(), self.size(), self._timeout),
+                              self._label)
+
+        return state_of((self, device), make)
 
     def _native(self, device: str) -> Any:
         backend = self._natives.get(device)

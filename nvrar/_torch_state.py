@@ -222,16 +222,20 @@ groups: Dict[Tuple[Any, str], GroupState] = {}
 lock = threading.RLock()
 
 
-def state_for_group(group: Any, device: str) -> GroupState:
-    """The state of a process group nvrar reaches from outside (nt.all_reduce, patch()): its
-    ranks exchange through the group itself."""
-    key = (group, device)
+def state_of(key: Tuple[Any, str], make: Callable[[], GroupState]) -> GroupState:
+    """The state registered under ``key``, made by ``make()`` the first time (once, under the lock)."""
     st = groups.get(key)
     if st is None:
         with lock:
             st = groups.get(key)
             if st is None:
-                world = dist.get_world_size(group)
-                st = groups[key] = GroupState(device, world, lambda: TorchBootstrap(group, default_timeout()),
-                                              f"group {getattr(group, 'group_name', '?')}")
+                st = groups[key] = make()
     return st
+
+
+def state_for_group(group: Any, device: str) -> GroupState:
+    """The state of a process group nvrar reaches from outside (nt.all_reduce, patch()): its
+    ranks exchange through the group itself."""
+    return state_of((group, device), lambda: GroupState(
+        device, dist.get_world_size(group), lambda: TorchBootstrap(group, default_timeout()),
+        f"group {getattr(group, 'group_name', '?')}"))
