@@ -8,22 +8,19 @@
 // stay in step (NOTE [epoch protocol], plan.h; NOTE [gpu deadlines], device.cuh).
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <algorithm>
 
 #include "device.cuh"
-#include "launch.h"
 
 namespace nvrar {
 namespace gpu {
 
 template <typename T, typename Op>
 __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const __grid_constant__ KernelParams kp) {
-  __shared__ SharedWs sh;
+  NVRAR_SHARED(SharedWs, sh);
   GpuTransport<T, Op> tp{kp, sh};
   const Workspace ws{sh.srcs, sh.piece_srcs, sh.dsts, sh.piece_dsts, sh.peer_out, sh.src_remote, nullptr};
-  const uint64_t e0 = *reinterpret_cast<volatile unsigned long long*>(&kp.state->epoch);
+  const uint64_t e0 = ld_volatile(&kp.state->epoch);
   const size_t nchunks = ceil_div(kp.count, kp.chunk_elems);
   const int B = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);
@@ -50,19 +47,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
       __threadfence();
     }
   }
-}
-
-template <typename T, typename Op>
-cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cudaStream_t stream) {
-  nvrar_allreduce_kernel<T, Op><<<blocks, threads, 0, stream>>>(kp);
-  return cudaGetLastError();
-}
-
-template <typename T, typename Op>
-int max_threads_instance() {
-  cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, nvrar_allreduce_kernel<T, Op>) != cudaSuccess) return 0;
-  return a.maxThreadsPerBlock;
 }
 
 }  // namespace gpu
