@@ -37,12 +37,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
                         : two_shot_round(tp, kp.cfg, ws, s, e, kp.sig, kp.sc);
     if (!ok) break;  // recorded in kp.err; the host raises
   }
+  // The last block to finish resets the count and advances the epoch. The count is a relaxed
+  // atomic: the fence before it releases this block's epoch read and writes, the fence after the
+  // last one acquires every block's (C++ [atomics.fences]); the reset is an atomic store, since
+  // other blocks' atomicAdd touch the same word.
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const unsigned prev = atomicAdd(&kp.state->done, 1u);
     if (prev == static_cast<unsigned>(B) - 1) {  // the last block of this launch
-      kp.state->done = 0;
+      __threadfence();
+      atomicExch(&kp.state->done, 0u);
       kp.state->epoch = e0 + nchunks;
       __threadfence();
     }
