@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
     const uint64_t e = e0 + 1 + c;
     const size_t first = c * kp.chunk_elems;
     const size_t n = kp.count - first < kp.chunk_elems ? kp.count - first : kp.chunk_elems;
+    tp.desc = CallDesc{kp.count, kp.code, n, kp.shape};
     const Range sl = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, b);
     const size_t at = (first + sl.begin) * static_cast<size_t>(kp.es);
     const Slice s{kp.in + at, kp.out + at, sl.size(), static_cast<size_t>(kp.es), sl.begin * static_cast<size_t>(kp.es),

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../common/error.h"
+#include "../protocol/desc.h"
 #include "../protocol/ll.h"
 #include "../protocol/phase.h"
 #include "../protocol/plan.h"
@@ -35,6 +36,14 @@ __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQua
   for (size_t k = 0; k < m; ++k) st_relaxed_sys(p + k, pk[k]);
 }
 
+// NOTE [gpu call description]: an in-node flag cell (ready, final: written by a peer's store over
+// NVLink) holds, like the CPU executor's cells (csrc/cpu/segment.h), the flag word, two aux words
+// and then the sender's CallDesc (protocol/desc.h) at word kCellDesc, stored before the word's
+// release; wait() compares it with this block's description before the caller sees the aux
+// words (offsets into the peer's segment) or touches the peer's data. Cells written across nodes
+// (inter cells, LL zones) do not carry it yet: there the 16-bit signature is the only check.
+constexpr int kCellDesc = 3;
+
 // Per-block workspace of protocol/round.h, in shared memory.
 struct SharedWs {
   const char* srcs[kMaxLocal];
@@ -54,6 +63,9 @@ template <typename T, typename Op>
 struct GpuTransport {
   const KernelParams& kp;  // the __grid_constant__ kernel parameter: no per-thread copy
   SharedWs& sh;
+  // The call description of the round in flight (protocol/desc.h), set by the kernel per chunk:
+  // every in-node flag cell carries it, every wait on one compares it (NOTE [gpu call description]).
+  CallDesc desc{};
   // Whether the block may have touched global memory since the last signal's fence. Every thread
   // of the block makes the same sequence of transport calls, so every thread's copy holds the same
   // value, and a __syncthreads guarded by it is reached by all or none.
@@ -78,6 +90,10 @@ struct GpuTransport {
       uint64_t* c = reinterpret_cast<uint64_t*>(base(rank) + cell);
       st_relaxed_sys(c + 1, aux0);
       st_relaxed_sys(c + 2, aux1);
+      st_relaxed_sys(c + kCellDesc + 0, desc.count);
+      st_relaxed_sys(c + kCellDesc + 1, desc.code);
+      st_relaxed_sys(c + kCellDesc + 2, desc.n);
+      st_relaxed_sys(c + kCellDesc + 3, desc.shape);
       st_release_sys(c, word);
     }
   }
@@ -173,6 +189,15 @@ struct GpuTransport {
       if (ok && flag_sig(v) != sig) {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
+      }
+      if (ok && cell < kp.cfg.L.inter_cell(0, 0, 0)) {
+        // An in-node cell: the sender's description, ordered by the acquire above, must be mine.
+        const CallDesc theirs{ld_relaxed_sys(c + kCellDesc + 0), ld_relaxed_sys(c + kCellDesc + 1),
+                              ld_relaxed_sys(c + kCellDesc + 2), ld_relaxed_sys(c + kCellDesc + 3)};
+        if (!desc_equal(theirs, desc)) {
+          fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+          ok = 0;
+        }
       }
       if (ok && cell >= kp.cfg.L.inter_cell(0, 0, 0)) {
         // Written by an NVSHMEM signal: returns at once, and adds the consistency step that

@@ -73,6 +73,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_fused_kernel(const __gri
     const uint64_t e = e0 + 1 + c;
     const size_t r0 = c * fp.chunk_rows;
     const size_t n = fp.rows - r0 < fp.chunk_rows ? fp.rows - r0 : fp.chunk_rows;
+    tp.desc = CallDesc{kp.count, kp.code, n * fp.h, kp.shape};
     char* x = kp.out + r0 * row_bytes;
     char* res = fp.res + r0 * row_bytes;
     bool ok;

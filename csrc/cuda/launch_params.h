@@ -73,12 +73,14 @@ inline void fill_executor_params(KernelParams& kp, const ExecutorGeometry& g, co
 
 // The parameters of an all_reduce call planned by plan_call (protocol/call.h); launched with
 // c.slices blocks of cfg.threads threads.
-inline KernelParams allreduce_params(const CallPlan& c, uintptr_t in, uintptr_t out, size_t count,
-                                     const ExecutorGeometry& g, const DeviceHandles& d) {
+inline KernelParams allreduce_params(const CallPlan& c, uintptr_t in, uintptr_t out, size_t count, DType dtype,
+                                     RedOp op, const ExecutorGeometry& g, const DeviceHandles& d) {
   KernelParams kp{};
   kp.in = reinterpret_cast<const char*>(in);
   kp.out = reinterpret_cast<char*>(out);
   kp.count = count;
+  kp.code = call_code(dtype, op, c.algorithm);
+  kp.shape = 0;
   kp.chunk_elems = c.chunk_elems;
   kp.es = static_cast<int>(c.es);
   kp.algorithm = c.algorithm;
@@ -128,6 +130,9 @@ inline FusedParams fused_params(const ExecutorGeometry& g, const DeviceHandles& 
   kp.in = reinterpret_cast<const char*>(x);
   kp.out = reinterpret_cast<char*>(x);
   kp.count = rows * h;
+  // A fused call's description: op byte kFusedOpCode, the bits of eps above the code, h as its shape.
+  kp.code = call_code(dtype, static_cast<RedOp>(kFusedOpCode), v) | (static_cast<uint64_t>(float_bits(eps)) << 32);
+  kp.shape = h;
   kp.chunk_elems = chunk * h;
   kp.es = static_cast<int>(es);
   kp.algorithm = v;

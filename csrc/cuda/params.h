@@ -53,6 +53,8 @@ struct KernelParams {
   const char* in;
   char* out;
   size_t count;
+  uint64_t code;        // the call description's code and shape (protocol/desc.h); its count is
+  uint64_t shape;       // `count`, its n the elements of each round
   size_t chunk_elems;
   int es;
   Algorithm algorithm;  // resolved (never kAuto)

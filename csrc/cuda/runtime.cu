@@ -374,7 +374,7 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
                                                     c.bytes, cudaMemcpyDeviceToDevice, s));
     return;
   }
-  const KernelParams kp = allreduce_params(c, in, out, count, I.geo, I.handles());
+  const KernelParams kp = allreduce_params(c, in, out, count, dtype, op, I.geo, I.handles());
   I.enqueue(s, "all_reduce", [&]() { return launch_allreduce(kp, dtype, op, c.slices, I.cfg.threads, s); });
 }
 

@@ -143,7 +143,7 @@ struct Setup {
   size_t oneshot_max_bytes = 1024;
   size_t pool_bytes = 64 << 10;
   bool direct = false;
-  double timeout_s = 30;
+  double timeout_s = kTsan ? 120 : 30;  // every wait's deadline (ThreadSanitizer is 5-10x slower)
   uint64_t seed = 1;
   uint64_t epoch0 = 0;
 };
@@ -247,7 +247,7 @@ void dispatch_fused(const gpu::FusedParams& fp, DType dt) {
 
 // Launches one call on every PE (runtime.cu's host side: plan_call, then allreduce_params).
 // chunk_override: a smaller chunk than the plan's (the epoch-advance cases), else 0.
-void run_call(Exec& ex, const std::vector<CallArgs>& a, size_t chunk_override = 0) {
+void run_call_chunks(Exec& ex, const std::vector<CallArgs>& a, const std::vector<size_t>& chunks) {
   std::vector<KernelParams> kps(static_cast<size_t>(ex.W));
   std::vector<int> blocks(static_cast<size_t>(ex.W), 0);
   for (int r = 0; r < ex.W; ++r) {
@@ -256,13 +256,19 @@ void run_call(Exec& ex, const std::vector<CallArgs>& a, size_t chunk_override = 
     const CallPlan p = plan_call(gpu::call_limits(g, ex.seg(r)), reinterpret_cast<uintptr_t>(c.in),
                                  reinterpret_cast<uintptr_t>(c.out), c.count, c.dtype, c.op, c.alg);
     kps[static_cast<size_t>(r)] = gpu::allreduce_params(p, reinterpret_cast<uintptr_t>(c.in),
-                                                        reinterpret_cast<uintptr_t>(c.out), c.count, g, ex.handles(r));
-    if (chunk_override != 0) kps[static_cast<size_t>(r)].chunk_elems = chunk_override;
+                                                        reinterpret_cast<uintptr_t>(c.out), c.count, c.dtype, c.op, g,
+                                                        ex.handles(r));
+    if (chunks[static_cast<size_t>(r)] != 0) kps[static_cast<size_t>(r)].chunk_elems = chunks[static_cast<size_t>(r)];
     blocks[static_cast<size_t>(r)] = c.absent ? 0 : p.slices;
   }
   ex.world->launch(blocks, ex.su.threads, [&](int pe) {
     dispatch_allreduce(kps[static_cast<size_t>(pe)], a[static_cast<size_t>(pe)].dtype, a[static_cast<size_t>(pe)].op);
   });
+}
+
+void run_call(Exec& ex, const std::vector<CallArgs>& a, size_t chunk_override = 0) {
+  std::vector<size_t> chunks(static_cast<size_t>(ex.W), chunk_override);
+  run_call_chunks(ex, a, chunks);
 }
 
 std::string record_text(const ErrorRecord& e) {
@@ -540,6 +546,7 @@ void run_absent(int N, int G, int victim, int waiter, Phase phase, int step, siz
 struct Mismatch {
   std::string field;
   std::function<void(CallArgs&)> change;
+  bool half_chunk = false;  // the odd rank's rounds have half the elements (the description's n)
 };
 
 void run_mismatch(int N, int G, int odd, const Mismatch& m, size_t ll, size_t count, uint64_t seed) {
@@ -569,7 +576,9 @@ void run_mismatch(int N, int G, int odd, const Mismatch& m, size_t ll, size_t co
     c.in = in[static_cast<size_t>(r)].data();
     c.out = out[static_cast<size_t>(r)].data();
   }
-  run_call(ex, args);
+  std::vector<size_t> chunks(static_cast<size_t>(W), 0);
+  if (m.half_chunk) chunks[static_cast<size_t>(odd)] = ex.geo[0].cfg.max_bytes / 4 / 2;
+  run_call_chunks(ex, args, chunks);
   ex.world->quiet();
   int mismatches = 0;
   for (int r = 0; r < W; ++r) {
@@ -581,6 +590,82 @@ void run_mismatch(int N, int G, int odd, const Mismatch& m, size_t ll, size_t co
     expect_canary(out[static_cast<size_t>(r)].data() + bytes[static_cast<size_t>(r)], r, "output");
   }
   EXPECT(mismatches >= 1, "no rank detected the " << m.field << " mismatch itself");
+}
+
+// The signature collision of NOTE [call description]: counts 100000 and 131409 (float32, two-shot)
+// share the 16-bit signature. The outputs lie in the pool, where local peers push their finished
+// shards: unless the full description is compared first, the rank with the larger count pushes
+// past the other's buffer. Every rank must raise a mismatch, and the canary past every pool
+// buffer must be intact.
+void run_collision(int N, int G, int odd, uint64_t seed) {
+  EXPECT(call_signature(100000, 0, 0, 1) == call_signature(131409, 0, 0, 1), "the collision is gone: pick another pair");
+  Setup su;
+  su.N = N;
+  su.G = G;
+  su.seed = seed;
+  su.timeout_s = 20;
+  su.max_blocks = 4;
+  su.max_bytes = 64 << 10;
+  su.block_bytes = 16 << 10;
+  su.pool_bytes = 131409 * 4 + 2 * kCanary + 4096;
+  Exec ex(su);
+  const int W = ex.W;
+  std::vector<std::vector<char>> in(static_cast<size_t>(W));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  std::vector<size_t> bytes(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = r == odd ? 131409 : 100000;
+    c.alg = Algorithm::kTwoShot;
+    bytes[static_cast<size_t>(r)] = c.count * 4;
+    in[static_cast<size_t>(r)].assign(bytes[static_cast<size_t>(r)], 1);
+    c.in = in[static_cast<size_t>(r)].data();
+    c.out = ex.pool(r);
+    std::memset(c.out, 0, bytes[static_cast<size_t>(r)]);
+    fill_canary(c.out + bytes[static_cast<size_t>(r)]);
+  }
+  run_call(ex, args);
+  ex.world->quiet();
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    EXPECT(e.code == gpu::kMismatchCode && e.published == 1,
+           "rank " << r << " did not raise the 100000 vs 131409 mismatch: " << record_text(e));
+    expect_canary(args[static_cast<size_t>(r)].out + bytes[static_cast<size_t>(r)], r, "pool output");
+  }
+}
+
+// A fused call on which one rank differs in h (same element count) or eps.
+void run_fused_mismatch(int G, bool h_differs, uint64_t seed) {
+  Setup su;
+  su.N = 1;
+  su.G = G;
+  su.threads = 64;
+  su.max_blocks = 1;
+  su.seed = seed;
+  su.timeout_s = 20;
+  Exec ex(su);
+  const int W = ex.W;
+  std::vector<std::vector<float>> x(static_cast<size_t>(W), std::vector<float>(256 + kCanary, 1.0f));
+  std::vector<std::vector<float>> res(static_cast<size_t>(W), std::vector<float>(256 + kCanary, 0.5f));
+  std::vector<float> w(64, 1.0f);
+  std::vector<gpu::FusedParams> fps(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    const bool odd = r == W - 1;
+    const size_t h = odd && h_differs ? 32 : 64;
+    const float eps = odd && !h_differs ? 1e-6f : 1e-5f;
+    fps[static_cast<size_t>(r)] = gpu::fused_params(ex.geometry(r), ex.handles(r), reinterpret_cast<uintptr_t>(x[static_cast<size_t>(r)].data()),
+                                                    reinterpret_cast<uintptr_t>(res[static_cast<size_t>(r)].data()),
+                                                    reinterpret_cast<uintptr_t>(w.data()), 256 / h, h, DType::kFloat32, eps,
+                                                    Algorithm::kTwoShot);
+  }
+  ex.world->launch(std::vector<int>(static_cast<size_t>(W), 1), 64,
+                   [&](int pe) { dispatch_fused(fps[static_cast<size_t>(pe)], DType::kFloat32); });
+  ex.world->quiet();
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    EXPECT(e.code == gpu::kMismatchCode && e.published == 1,
+           "rank " << r << " did not raise the fused " << (h_differs ? "h" : "eps") << " mismatch: " << record_text(e));
+  }
 }
 
 void barrier_selftest() {
@@ -598,7 +683,8 @@ void barrier_selftest() {
 
 std::vector<Case> make_cases(bool quick) {
   std::vector<Case> cs;
-  auto add = [&](const ReduceSpec& s) {
+  auto add = [&](ReduceSpec s) {
+    if (kTsan && s.threads > 64 && s.threads < 512) s.threads = 64;  // 32-64 threads per block under TSan
     cs.push_back(Case{"allreduce " + spec_name(s), [s](uint64_t seed) { run_reduce(s, seed); }});
   };
   const DType dts[4] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32};
@@ -730,11 +816,19 @@ std::vector<Case> make_cases(bool quick) {
       {"dtype", [](CallArgs& c) { c.dtype = DType::kInt32; }},
       {"op", [](CallArgs& c) { c.op = RedOp::kMax; }},
       {"algorithm", [](CallArgs& c) { c.alg = Algorithm::kOneShot; }},
+      {"round elements (n)", [](CallArgs&) {}, true},
   };
   for (const auto& m : ms) {
     cs.push_back(Case{"mismatch 2x2 " + m.field, [m](uint64_t seed) { run_mismatch(2, 2, 1, m, 0, 1000, seed); }});
-    cs.push_back(Case{"mismatch 2x1 ll " + m.field, [m](uint64_t seed) { run_mismatch(2, 1, 1, m, 1024, 200, seed); }});
+    if (!m.half_chunk)  // across nodes only the 16-bit signature is compared (NOTE [gpu call description])
+      cs.push_back(Case{"mismatch 2x1 ll " + m.field, [m](uint64_t seed) { run_mismatch(2, 1, 1, m, 1024, 200, seed); }});
   }
+  cs.push_back(Case{"mismatch 1x2 collision 100000 vs 131409 (pool outputs, canary)",
+                    [](uint64_t seed) { run_collision(1, 2, 1, seed); }});
+  cs.push_back(Case{"mismatch 2x2 collision 100000 vs 131409 (pool outputs, canary)",
+                    [](uint64_t seed) { run_collision(2, 2, 1, seed); }});
+  cs.push_back(Case{"mismatch 1x2 fused h (same element count)", [](uint64_t seed) { run_fused_mismatch(2, true, seed); }});
+  cs.push_back(Case{"mismatch 1x3 fused eps", [](uint64_t seed) { run_fused_mismatch(3, false, seed); }});
   return cs;
 }
 

@@ -441,7 +441,9 @@ void tsan_load(const void* p) {
 }
 #endif
 
-void nanosleep(unsigned) { std::this_thread::sleep_for(std::chrono::microseconds(50)); }
+// A real sleep, much longer than asked: thousands of emulated threads poll on a few cores, and
+// the threads they wait for (and the proxy) must get the CPU.
+void nanosleep(unsigned) { std::this_thread::sleep_for(std::chrono::microseconds(200)); }
 
 uint64_t now_ns() {
   return static_cast<uint64_t>(
