@@ -4,6 +4,7 @@
 #
 #   scripts/emulate.sh [--tsan] [--quick] [--seed N] [--only SUBSTRING]...
 #   scripts/emulate.sh --mutations [--seed N]
+#   scripts/emulate.sh --coverage [--quick] [--seed N]
 #
 # --tsan       build and run under ThreadSanitizer (fence model: csrc/emu/emu.cpp); a report fails
 #              its case
@@ -12,18 +13,21 @@
 # --mutations  builds each mutant of the device code (a deliberate ordering or protocol bug, made
 #              on a copy of the sources: the GPU build never sees one) and asserts that the suite
 #              catches it; one line per mutation, exit 0 only if every one is caught
+# --coverage   builds with gcov instrumentation, runs the suite and prints the line coverage of
+#              device.cuh, allreduce_kernel.cuh and fused_kernel.cuh (the lines not run, listed)
 # Exit status 0 only if every case passes; the last line is
 #   emulated device: N cases passed, M failed (tsan: on|off)
 # Environment: CXX (default g++), NVRAR_BUILD_JOBS (parallel compiles, default 2), NVRAR_EMU_BUILD
 # (build folder, default build/emu).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-tsan=0 quick=0 mutations=0 seed="" only=()
+tsan=0 quick=0 mutations=0 coverage=0 seed="" only=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tsan) tsan=1 ;;
     --quick) quick=1 ;;
     --mutations) mutations=1 ;;
+    --coverage) coverage=1 ;;
     --seed) seed=${2:?--seed needs a number}; shift ;;
     --only) only+=(--only "${2:?--only needs a substring}"); shift ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
@@ -53,7 +57,7 @@ build_driver() {
     cmds+=("$dir/k_$t.o|$inc/emu/kernels_inst.cpp|-DNVRAR_INST_T=$t -DNVRAR_INST_INT=$int")
   done
   cmds+=("$dir/emu.o|$inc/emu/emu.cpp|" "$dir/driver.o|$inc/emu/driver.cpp|")
-  printf '%s\n' "${cmds[@]}" | NVRAR_EMU_FLAGS="${extra[*]}" NVRAR_EMU_INC="$inc" xargs -P "$jobs" -I{} bash -c '
+  printf '%s\n' "${cmds[@]}" | NVRAR_EMU_FLAGS="${extra[*]}" NVRAR_EMU_INC="$inc" NVRAR_EMU_KEEP="${NVRAR_EMU_KEEP:-}" xargs -P "$jobs" -I{} bash -c '
     IFS="|" read -r out src defs <<<"$1"
     # shellcheck disable=SC2086
     compile "$out" "$src" "$NVRAR_EMU_INC" $NVRAR_EMU_FLAGS $defs' _ {} ||
@@ -65,6 +69,8 @@ export cxx base_flags_s
 # compile OUT SRC CSRC_ROOT FLAGS...: one object, rebuilt when a source under CSRC_ROOT is newer.
 compile() {
   local out=$1 src=$2 inc=$3; shift 3
+  # NVRAR_EMU_KEEP: objects that do not include the device code, kept as they are (mutants).
+  if [ -f "$out" ] && [[ " ${NVRAR_EMU_KEEP:-} " == *" $(basename "$out") "* ]]; then return 0; fi
   if [ -f "$out" ] && [ -z "$(find "$inc" "$src" -newer "$out" \( -name '*.h' -o -name '*.cuh' -o -name '*.cpp' \) -print -quit)" ]; then
     return 0
   fi
@@ -82,7 +88,7 @@ if [ "$mutations" = 1 ]; then
   # Each mutant: NAME|FILE|PYTHON-REPLACEMENTS|SANITIZER|CASES. The replacement must apply (else
   # the mutation is reported as not applied: the source moved and this list must follow).
   mut_root="$build/mutants"
-  mkdir -p "$mut_root"
+  rm -rf "$mut_root"; mkdir -p "$mut_root"
   total=0 caught=0
   run_mutant() {
     # NAME FILE SANITIZER OLD NEW [OLD NEW]... -- DRIVER-ARGS...
@@ -91,7 +97,7 @@ if [ "$mutations" = 1 ]; then
     while [ "$1" != "--" ]; do pairs+=("$1"); shift; done
     shift
     local src="$mut_root/$name/csrc" dir="$mut_root/$name/$san"
-    rm -rf "$src"; mkdir -p "$src"; cp -r "$root/csrc/." "$src/"
+    rm -rf "$src"; mkdir -p "$src"; cp -rp "$root/csrc/." "$src/"
     if ! python3 - "$src/$file" "${pairs[@]}" <<'PY'
 import sys
 path, rest = sys.argv[1], [a.encode().decode("unicode_escape") for a in sys.argv[2:]]
@@ -111,19 +117,24 @@ PY
     for o in emu driver; do
       [ -f "$mut_root/common-$san/$o.o" ] && cp -p "$mut_root/common-$san/$o.o" "$dir/$o.o"
     done
-    if ! build_driver "$dir" "$src" 1 "${flags[@]}" >"$dir/build.log" 2>&1; then
+    if ! NVRAR_EMU_KEEP="emu.o driver.o" build_driver "$dir" "$src" 1 "${flags[@]}" >"$dir/build.log" 2>&1; then
       echo "mutation $name: BUILD FAILED (see $dir/build.log)"; return 1
     fi
     mkdir -p "$mut_root/common-$san"; cp -p "$dir/emu.o" "$dir/driver.o" "$mut_root/common-$san/"
-    [ "$san" = tsan ] && tsan_env
     local log="$dir/run.log"
     set +e
-    "$dir/emulate_driver" --seed "$seed" "$@" >"$log" 2>&1
+    # Under ThreadSanitizer the first report ends the run (GCC 12's runtime can deadlock when
+    # reports and thread exits meet; a mutant needs one report only).
+    TSAN_OPTIONS="halt_on_error=1 report_signal_unsafe=0 history_size=4" "$dir/emulate_driver" --seed "$seed" "$@" >"$log" 2>&1
     local rc=$?
     set -e
     local first; first=$(grep -m1 '^FAIL' "$log" || true)
     if [ $rc -ne 0 ] && [ -n "$first" ]; then
       echo "mutation $name: caught ($san): ${first:0:300}"; return 0
+    fi
+    local race; race=$(grep -m1 -A2 'WARNING: ThreadSanitizer' "$log" | tr -s ' \n' ' ' || true)
+    if [ $rc -ne 0 ] && [ -n "$race" ]; then
+      echo "mutation $name: caught ($san): ${race:0:300}"; return 0
     fi
     echo "mutation $name: NOT CAUGHT ($san, exit $rc; $(tail -1 "$log"))"; return 1
   }
@@ -135,7 +146,7 @@ PY
     -- --only "allreduce 2x2 float32 sum two-shot n=1000" --only "allreduce 2x2 float32 max two-shot n=1007 ll"
   m signal-no-fence-release cuda/device.cuh tsan \
     '      if (threadIdx.x == 0) __threadfence_system();\n      dirty = false;' '      dirty = false;' \
-    'st_relaxed_sys(c + 2, aux1);\n      st_release_sys(c, word);' 'st_relaxed_sys(c + 2, aux1);\n      st_relaxed_sys(c, word);' \
+    'desc.shape);\n      st_release_sys(c, word);' 'desc.shape);\n      st_relaxed_sys(c, word);' \
     -- --only "allreduce 2x2 float32 sum two-shot n=1000" --only "allreduce 2x2 float32 max two-shot n=1007 ll"
   m ll-unpack-no-zeroing cuda/device.cuh plain \
     'st_quad(p, zero, m);  // NOTE [LL zones]' '(void)zero;' \
@@ -152,6 +163,47 @@ PY
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
   exit $?
+fi
+
+if [ "$coverage" = 1 ]; then
+  dir="$build/coverage"
+  rm -f "$dir"/*.gcda
+  build_driver "$dir" "$root/csrc" 0 -O0 --coverage
+  args=(--seed "$seed" "${only[@]}")
+  [ "$quick" = 1 ] && args+=(--quick)
+  set +e
+  "$dir/emulate_driver" "${args[@]}" | tail -1
+  set -e
+  (cd "$dir" && for o in k_*.o; do gcov -t -p "$o" 2>/dev/null; done) | python3 -c '
+import re, sys
+files = ("cuda/device.cuh", "cuda/allreduce_kernel.cuh", "cuda/fused_kernel.cuh")
+cur, seen = None, {}
+for line in sys.stdin:
+    m = re.match(r"\s*-:\s*0:Source:(.*)$", line)
+    if m:
+        cur = next((f for f in files if m.group(1).endswith(f)), None)
+        continue
+    m = re.match(r"\s*([^:]+):\s*(\d+):(.*)$", line)
+    if not m or cur is None:
+        continue
+    count, no, text = m.group(1).strip(), int(m.group(2)), m.group(3)
+    if count == "-" or no == 0:
+        continue
+    ran = count not in ("#####", "=====")
+    key = (cur, no)
+    seen[key] = (seen.get(key, (False, text))[0] or ran, text)
+tot_all = run_all = 0
+for f in files:
+    lines = sorted((no, v) for (g, no), v in seen.items() if g == f)
+    run = sum(1 for _, (r, _) in lines if r)
+    tot_all += len(lines); run_all += run
+    print(f"coverage {f}: {run} of {len(lines)} lines ({100.0 * run / max(1, len(lines)):.1f}%)")
+    for no, (r, text) in lines:
+        if not r:
+            print(f"  not run: {f}:{no}: {text.strip()}")
+print(f"coverage of the device code: {run_all} of {tot_all} lines ({100.0 * run_all / max(1, tot_all):.1f}%)")
+'
+  exit 0
 fi
 
 if [ "$tsan" = 1 ]; then
