@@ -174,7 +174,7 @@ if [ "$coverage" = 1 ]; then
   set +e
   "$dir/emulate_driver" "${args[@]}" | tail -1
   set -e
-  (cd "$dir" && for o in k_*.o; do gcov -t -p "$o" 2>/dev/null; done) | python3 -c '
+  (cd "$dir" && for o in k_*.o; do gcov -t -p "$o.gcno" 2>/dev/null; done) | python3 -c '
 import re, sys
 files = ("cuda/device.cuh", "cuda/allreduce_kernel.cuh", "cuda/fused_kernel.cuh")
 cur, seen = None, {}
