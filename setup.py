@@ -147,15 +147,39 @@ class BuildExt(pybind_build_ext):
         return objs + [dlink]
 
 
+def find_ucx_include():
+    """UCX's headers for nvrar._C (csrc/cpu/ucx.cpp): the libucx-cu12 wheel of the build environment
+    (the build backend adds it, _build_backend/nvrar_build.py), UCX_HOME, or None. Only the headers:
+    libucp is opened with dlopen at run time (csrc/cpu/ucx.h), so the module never depends on it."""
+    home = os.environ.get("UCX_HOME")
+    candidates = [os.path.join(home, "include")] if home else []
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ModuleNotFoundError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        candidates.append(os.path.join(os.path.dirname(spec.origin), "include"))
+    for inc in candidates:
+        if os.path.isfile(os.path.join(inc, "ucp", "api", "ucp.h")):
+            return inc
+    return None
+
+
+ucx_include = None if os.environ.get("NVRAR_UCX", "").strip() == "0" else find_ucx_include()
+if ucx_include is None:
+    print("nvrar: building without UCX's headers: communicators across hosts will raise (install libucx-cu12 "
+          "in the build environment to include them)", file=sys.stderr)
+
 ext_modules = [
     Pybind11Extension(
         "nvrar._C",
         sources=["csrc/bindings.cpp", "csrc/bindings_common.cpp", "csrc/cpu/shm_heap.cpp", "csrc/cpu/executor.cpp",
-                 "csrc/cpu/reduce_kernels.cpp", "csrc/cpu/fused.cpp"],
-        include_dirs=["csrc"],
+                 "csrc/cpu/reduce_kernels.cpp", "csrc/cpu/fused.cpp", "csrc/cpu/ucx.cpp"],
+        include_dirs=["csrc"] + ([ucx_include] if ucx_include else []),
+        define_macros=[] if ucx_include else [("NVRAR_NO_UCX", "1")],
         cxx_std=17,
         extra_compile_args=HOST_FLAGS,
-        libraries=["rt"],
+        libraries=["rt", "dl"],
         depends=HEADERS,
     )
 ]
