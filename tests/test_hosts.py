@@ -145,6 +145,11 @@ TIMEOUT = 4.0
 
 
 def check_survivors(results: List[RankResult], survivors: List[int], fault_at: float, what: str) -> None:
+    print(f"\n{what}:")
+    for r in survivors:
+        rep = results[r].report or {}
+        if "raised_at" in rep:
+            print(f"  rank {r} raised {rep['raised_at'] - fault_at:.2f} s after: {rep['exception']['message'][:300]}")
     for r in survivors:
         rep = results[r].report
         assert rep is not None, f"rank {r} wrote no report ({what}):\n{describe(results)}"

@@ -141,7 +141,8 @@ std::string CpuExecutor::open_hosts(const std::string& libucp, const std::vector
   }
   NVRAR_CHECK(cfg_.ll_max_bytes == 0, "nvrar: LL packets never cross hosts: ll_max_bytes must be 0 across hosts");
   std::string blob;
-  link_ = open_ucx_link(libucp, cfg_.rank, remote, heap_.mine(), layout_.total_bytes, net_device, &blob);
+  link_ = open_ucx_link(libucp, cfg_.rank, remote, heap_.mine(), layout_.total_bytes, net_device,
+                        RemoteWriteCheck{&CpuExecutor::accept_remote_write, this}, &blob);
   remote_ = remote;
   return std::string(heap_.mine(), sizeof(SegmentHeader)) + blob;
 }
@@ -183,6 +184,17 @@ void CpuExecutor::post_remote_aborts() {
   if (link_ == nullptr) return;
   for (int r = 0; r < cfg_.world; ++r)
     if (remote(r)) link_->post_cell(r, layout_.abort_cell(), heap_.base(r) + layout_.abort_cell(), 0.1);
+}
+
+bool CpuExecutor::accept_remote_write(void* self, size_t dst_off, size_t bytes, size_t cell_off) {
+  const auto* ex = static_cast<const CpuExecutor*>(self);
+  const SegmentLayout& L = ex->layout_;
+  if (cell_off == L.abort_cell()) return bytes == 0;
+  for (int p = 0; p < 2; ++p)
+    for (int slot = 0; slot < L.S; ++slot)
+      if (cell_off == L.inter_cell(p, slot))
+        return bytes == 0 || (dst_off == L.zone(p, slot) && bytes <= L.zone_slice_bytes);
+  return false;
 }
 
 int CpuExecutor::inter_step_of(size_t cell) const {

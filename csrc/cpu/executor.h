@@ -140,6 +140,9 @@ class CpuExecutor {
   void post_remote_aborts();
   // The inter-node step whose put carries the flag of `cell` (for error messages).
   int inter_step_of(size_t cell) const;
+  // Whether a message from another host may write [dst_off, dst_off + bytes) and the cell at
+  // cell_off of my segment: an inter-node zone and its step's cell, or the abort cell alone.
+  static bool accept_remote_write(void* self, size_t dst_off, size_t bytes, size_t cell_off);
   // "all_reduce(count=..., dtype=..., op=..., algorithm=...)" (or the fused call's, with h and eps) from a
   // call description (count, code, shape).
   static std::string describe_call(uint64_t count, uint64_t code, uint64_t shape);

@@ -4,8 +4,8 @@
 //   inside a host   shared memory: every rank on the host maps every other's segment (shm_heap.h);
 //                   flags are stores into the peer's cells (segment.h), data is memcpy, private
 //                   buffers of local peers are reached with process_vm_readv/writev
-//   between hosts   put-with-signal over the executor's HostLink (host_link.h, UCX in ucx.cpp): only
-//                   the inter-node steps cross hosts, and only to ranks of other hosts
+//   between hosts   put-with-signal over the executor's HostLink (host_link.h, UCX active messages
+//                   in ucx.cpp): only inter-node steps cross hosts, only to ranks of other hosts
 //
 // Methods are inline: the round is a template over its transport, and the shared-memory path is
 // the latency-critical one. The transport calls the executor's waits (signal, wait, wait_ll,

@@ -1,4 +1,4 @@
-// HostLink over UCX (see ucx.h and NOTE [put-with-signal across hosts] in transport.h).
+// HostLink over UCX active messages (see ucx.h and the NOTEs of host_link.h).
 #include "ucx.h"
 
 #include <dlfcn.h>
@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -25,7 +26,7 @@ namespace nvrar {
 bool ucx_compiled() { return false; }
 
 std::unique_ptr<HostLink> open_ucx_link(const std::string&, int, const std::vector<bool>&, char*, size_t,
-                                        const std::string&, std::string*) {
+                                        const std::string&, const RemoteWriteCheck&, std::string*) {
   NVRAR_CHECK(false, "nvrar was built without UCX's headers, so the CPU executor cannot reach other hosts; "
               "reinstall it with the libucx-cu12 wheel in the build environment (pip install 'nvrar[ucx]')");
   return nullptr;
@@ -41,10 +42,9 @@ namespace {
 #define NVRAR_UCX_FUNCTIONS(X)                                                                              \
   X(ucp_config_read) X(ucp_config_release) X(ucp_config_modify) X(ucp_init_version) X(ucp_cleanup)         \
   X(ucp_worker_create) X(ucp_worker_destroy) X(ucp_worker_get_address) X(ucp_worker_release_address)      \
-  X(ucp_worker_progress) X(ucp_worker_fence) X(ucp_mem_map) X(ucp_mem_unmap) X(ucp_rkey_pack)             \
-  X(ucp_rkey_buffer_release) X(ucp_ep_create) X(ucp_ep_close_nbx) X(ucp_ep_rkey_unpack) X(ucp_rkey_destroy) \
-  X(ucp_put_nbx) X(ucp_ep_flush_nbx) X(ucp_request_check_status) X(ucp_request_free) X(ucp_ep_query)       \
-  X(ucs_status_string)
+  X(ucp_worker_progress) X(ucp_worker_set_am_recv_handler) X(ucp_am_send_nbx) X(ucp_am_data_release)       \
+  X(ucp_ep_create) X(ucp_ep_close_nbx) X(ucp_ep_flush_nbx) X(ucp_request_check_status) X(ucp_request_free) \
+  X(ucp_ep_query) X(ucs_status_string)
 
 struct Api {
 #define NVRAR_UCX_FIELD(f) decltype(&::f) f = nullptr;
@@ -77,19 +77,38 @@ const Api& api(const std::string& path) {
 
 using clock_type = std::chrono::steady_clock;
 
+constexpr unsigned kAmId = 0x4e56;        // the active-message id of nvrar's messages
+constexpr size_t kCellTail = 48;          // Cell (segment.h): aux0, aux1 and the call description after the word
+constexpr size_t kCellBytes = 8 + kCellTail;
+
+// The header of every message: where its payload lands in the receiver's segment. The payload is
+// the step's data (`bytes`), then the cell image (kCellBytes): word, aux words, call description.
+struct MsgHeader {
+  uint64_t dst_off;
+  uint64_t bytes;
+  uint64_t cell_off;
+  int32_t sender;
+  uint32_t magic;
+};
+constexpr uint32_t kMsgMagic = 0x4e565231u;  // "NVR1"
+
 struct Peer {
   ucp_ep_h ep = nullptr;
-  ucp_rkey_h rkey = nullptr;
-  uint64_t base = 0;                 // where the peer maps its segment (remote addresses are base + offset)
   std::atomic<int> status{0};        // ucs_status_t the error handler reported (0: none)
   std::atomic<bool> answered{false};  // its wire-up flush completed
+};
+
+struct Pending {
+  void* req;
+  ucp_dt_iov_t iov[2];  // read by UCX until the send completes
 };
 
 class UcxLink final : public HostLink {
  public:
   UcxLink(const Api& a, int rank, const std::vector<bool>& remote, char* seg, size_t bytes, const std::string& dev,
-          std::string* blob)
-      : a_(a), rank_(rank), remote_(remote), seg_(seg), bytes_(bytes), peers_(remote.size()), creator_(getpid()) {
+          const RemoteWriteCheck& accept, std::string* blob)
+      : a_(a), rank_(rank), remote_(remote), seg_(seg), bytes_(bytes), accept_(accept), peers_(remote.size()),
+        creator_(getpid()) {
     ucp_config_t* cfg = nullptr;
     check(a_.ucp_config_read(nullptr, nullptr, &cfg), "reading its configuration");
     // The device that reaches the rendezvous host, unless the user chose (UCX_NET_DEVICES).
@@ -97,7 +116,7 @@ class UcxLink final : public HostLink {
     ucp_params_t p;
     std::memset(&p, 0, sizeof(p));
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
-    p.features = UCP_FEATURE_RMA;
+    p.features = UCP_FEATURE_AM;
     const ucs_status_t st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
     a_.ucp_config_release(cfg);
     check(st, "initializing");
@@ -106,44 +125,36 @@ class UcxLink final : public HostLink {
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the caller's thread, or the wire-up thread alone
     check(a_.ucp_worker_create(ctx_, &wp, &worker_), "creating a worker");
-    ucp_mem_map_params_t mp;
-    std::memset(&mp, 0, sizeof(mp));
-    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-    mp.address = seg_;
-    mp.length = bytes_;
-    check(a_.ucp_mem_map(ctx_, &mp, &memh_), "registering the segment");
-    void* rk = nullptr;
-    size_t rk_len = 0;
-    check(a_.ucp_rkey_pack(ctx_, memh_, &rk, &rk_len), "packing the segment's remote key");
+    ucp_am_handler_param_t hp;
+    std::memset(&hp, 0, sizeof(hp));
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = kAmId;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = &UcxLink::on_message;
+    hp.arg = this;
+    check(a_.ucp_worker_set_am_recv_handler(worker_, &hp), "setting the message handler");
     ucp_address_t* addr = nullptr;
     size_t addr_len = 0;
-    const ucs_status_t as = a_.ucp_worker_get_address(worker_, &addr, &addr_len);
-    if (as != UCS_OK) a_.ucp_rkey_buffer_release(rk);
-    check(as, "reading the worker's address");
-    // blob: u64 segment base, u32 address length, address, u32 key length, key
-    blob->clear();
-    const uint64_t base = reinterpret_cast<uint64_t>(seg_);
-    const uint32_t al = static_cast<uint32_t>(addr_len), kl = static_cast<uint32_t>(rk_len);
-    blob->append(reinterpret_cast<const char*>(&base), 8);
-    blob->append(reinterpret_cast<const char*>(&al), 4);
-    blob->append(reinterpret_cast<const char*>(addr), addr_len);
-    blob->append(reinterpret_cast<const char*>(&kl), 4);
-    blob->append(static_cast<const char*>(rk), rk_len);
+    check(a_.ucp_worker_get_address(worker_, &addr, &addr_len), "reading the worker's address");
+    blob->assign(reinterpret_cast<const char*>(addr), addr_len);
     a_.ucp_worker_release_address(worker_, addr);
-    a_.ucp_rkey_buffer_release(rk);
+    std::memset(&send_prm_, 0, sizeof(send_prm_));
+    send_prm_.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
+    // Eager only: a rendezvous would make the receiver answer, and an answer to a host that died
+    // is what UCX 1.22 cannot fail gracefully (NOTE [active messages], host_link.h).
+    send_prm_.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
+    send_prm_.datatype = UCP_DATATYPE_IOV;
   }
 
   ~UcxLink() override {
     if (getpid() != creator_) return;  // a forked child: UCX's state is the creator's
     stop_wireup();
     drain_for(0.2);
-    for (auto& r : pending_)
-      if (r != nullptr) a_.ucp_request_free(r);
+    for (auto& q : pending_) a_.ucp_request_free(q.req);
     pending_.clear();
     std::vector<void*> closing;
     for (auto& p : peers_) {
-      if (p.rkey != nullptr) a_.ucp_rkey_destroy(p.rkey);
-      p.rkey = nullptr;
       if (p.ep == nullptr) continue;
       ucp_request_param_t prm;
       std::memset(&prm, 0, sizeof(prm));
@@ -159,7 +170,6 @@ class UcxLink final : public HostLink {
         a_.ucp_worker_progress(worker_);
       a_.ucp_request_free(r);
     }
-    if (memh_ != nullptr) a_.ucp_mem_unmap(ctx_, memh_);
     if (worker_ != nullptr) a_.ucp_worker_destroy(worker_);
     if (ctx_ != nullptr) a_.ucp_cleanup(ctx_);
   }
@@ -169,29 +179,17 @@ class UcxLink final : public HostLink {
                 " ranks");
     for (size_t r = 0; r < blobs.size(); ++r) {
       if (!remote_[r]) continue;
-      const std::string& b = blobs[r];
-      uint64_t base = 0;
-      uint32_t al = 0, kl = 0;
-      NVRAR_CHECK(b.size() >= 12, "nvrar: rank ", rank_, ": rank ", r, " sent a malformed UCX address");
-      std::memcpy(&base, b.data(), 8);
-      std::memcpy(&al, b.data() + 8, 4);
-      NVRAR_CHECK(b.size() >= 16 + size_t{al}, "nvrar: rank ", rank_, ": rank ", r, " sent a malformed UCX address");
-      std::memcpy(&kl, b.data() + 12 + al, 4);
-      NVRAR_CHECK(b.size() == 16 + size_t{al} + kl, "nvrar: rank ", rank_, ": rank ", r,
-                  " sent a malformed UCX address");
+      NVRAR_CHECK(!blobs[r].empty(), "nvrar: rank ", rank_, ": rank ", r, " sent no UCX address");
       Peer& p = peers_[r];
-      p.base = base;
       ucp_ep_params_t ep;
       std::memset(&ep, 0, sizeof(ep));
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      ep.address = reinterpret_cast<const ucp_address_t*>(b.data() + 12);
+      ep.address = reinterpret_cast<const ucp_address_t*>(blobs[r].data());
       ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;  // a dead host or a broken link is reported, not hung on
       ep.err_handler.cb = &UcxLink::on_error;
       ep.err_handler.arg = &p;
       check(a_.ucp_ep_create(worker_, &ep, &p.ep), "making an endpoint to rank " + std::to_string(r));
-      check(a_.ucp_ep_rkey_unpack(p.ep, b.data() + 16 + al, &p.rkey),
-            "unpacking rank " + std::to_string(r) + "'s remote key");
     }
   }
 
@@ -213,7 +211,8 @@ class UcxLink final : public HostLink {
       bool all = true;
       for (size_t r = 0; r < peers_.size(); ++r) {
         if (!remote_[r]) continue;
-        if (peers_[r].status.load() != 0) return "rank " + std::to_string(r) + " cannot be reached: " + peer_error(static_cast<int>(r));
+        if (peers_[r].status.load() != 0)
+          return "rank " + std::to_string(r) + " cannot be reached: " + peer_error(static_cast<int>(r));
         all = all && peers_[r].answered.load();
       }
       if (all) return "";
@@ -236,16 +235,7 @@ class UcxLink final : public HostLink {
   }
 
   bool put_signal(int rank, size_t dst_off, const void* src, size_t bytes, size_t cell_off, const void* cell) override {
-    Peer& p = peers_[static_cast<size_t>(rank)];
-    if (p.status.load(std::memory_order_relaxed) != 0) return false;
-    const char* c = static_cast<const char*>(cell);
-    bool ok = bytes == 0 || issue(a_.ucp_put_nbx(p.ep, src, bytes, p.base + dst_off, p.rkey, &nocb_), p);
-    // The cell's words after the flag (aux words and call description), then a fence, then the
-    // flag word: the flag's arrival implies the data's and the description's.
-    ok = ok && issue(a_.ucp_put_nbx(p.ep, c + 8, kCellTail, p.base + cell_off + 8, p.rkey, &nocb_), p);
-    ok = ok && a_.ucp_worker_fence(worker_) == UCS_OK;
-    ok = ok && issue(a_.ucp_put_nbx(p.ep, c, 8, p.base + cell_off, p.rkey, &nocb_), p);
-    return ok;
+    return send(rank, dst_off, src, bytes, cell_off, cell);
   }
 
   bool progress() override {
@@ -262,13 +252,7 @@ class UcxLink final : public HostLink {
 
   void post_cell(int rank, size_t cell_off, const void* cell, double timeout_s) noexcept override {
     try {
-      Peer& p = peers_[static_cast<size_t>(rank)];
-      if (p.ep == nullptr || p.status.load() != 0) return;
-      const char* c = static_cast<const char*>(cell);
-      if (!issue(a_.ucp_put_nbx(p.ep, c + 8, kCellTail, p.base + cell_off + 8, p.rkey, &nocb_), p)) return;
-      a_.ucp_worker_fence(worker_);
-      if (!issue(a_.ucp_put_nbx(p.ep, c, 8, p.base + cell_off, p.rkey, &nocb_), p)) return;
-      drain_for(timeout_s);
+      if (send(rank, 0, nullptr, 0, cell_off, cell)) drain_for(timeout_s);
     } catch (...) {
     }
   }
@@ -293,10 +277,41 @@ class UcxLink final : public HostLink {
   }
 
  private:
-  static constexpr size_t kCellTail = 48;  // Cell (segment.h): aux0, aux1 and the call description after the word
-
   static void on_error(void* arg, ucp_ep_h, ucs_status_t status) {
     static_cast<Peer*>(arg)->status.store(static_cast<int>(status) == 0 ? -1 : static_cast<int>(status));
+  }
+
+  // Runs inside my own progress calls (the waiting rank's thread, or the wire-up thread during
+  // set-up): lands the data, then the cell's tail, then its flag word, in that order. Anything
+  // outside an inter-node zone and cell (or the abort cell) is dropped: a message cannot write
+  // anywhere else in my segment, whoever sent it.
+  static ucs_status_t on_message(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                 const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxLink*>(arg);
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+      self->a_.ucp_am_data_release(self->worker_, data);  // never sent by nvrar (eager only)
+      self->dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    MsgHeader h;
+    if (header_length != sizeof(h)) {
+      self->dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    std::memcpy(&h, header, sizeof(h));
+    if (h.magic != kMsgMagic || length != h.bytes + kCellBytes || !self->accept_.fn(self->accept_.ctx, h.dst_off,
+                                                                                 h.bytes, h.cell_off)) {
+      self->dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    const char* in = static_cast<const char*>(data);
+    char* seg = self->seg_;
+    if (h.bytes != 0) std::memcpy(seg + h.dst_off, in, h.bytes);
+    std::memcpy(seg + h.cell_off + 8, in + h.bytes + 8, kCellTail);
+    uint64_t word;
+    std::memcpy(&word, in + h.bytes, 8);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(seg + h.cell_off), word, __ATOMIC_RELEASE);
+    return UCS_OK;
   }
 
   void check(ucs_status_t st, const std::string& what) const {
@@ -304,30 +319,41 @@ class UcxLink final : public HostLink {
                 a_.ucs_status_string != nullptr ? a_.ucs_status_string(st) : "?");
   }
 
-  // Keeps an operation's request until it completes locally; false if it failed at once.
-  bool issue(ucs_status_ptr_t sp, Peer& p) {
-    if (sp == nullptr) return true;
+  // One message: `bytes` of data for my partner's dst_off, then the cell image for its cell_off.
+  bool send(int rank, size_t dst_off, const void* src, size_t bytes, size_t cell_off, const void* cell) {
+    Peer& p = peers_[static_cast<size_t>(rank)];
+    if (p.ep == nullptr || p.status.load(std::memory_order_relaxed) != 0) return false;
+    MsgHeader h{dst_off, bytes, cell_off, rank_, kMsgMagic};
+    pending_.push_back(Pending{nullptr, {{const_cast<void*>(src), bytes}, {const_cast<void*>(cell), kCellBytes}}});
+    Pending& q = pending_.back();
+    ucp_dt_iov_t* iov = bytes != 0 ? q.iov : q.iov + 1;
+    const ucs_status_ptr_t sp =
+        a_.ucp_am_send_nbx(p.ep, kAmId, &h, sizeof(h), iov, bytes != 0 ? 2 : 1, &send_prm_);
+    if (sp == nullptr) {
+      pending_.pop_back();
+      return true;
+    }
     if (UCS_PTR_IS_ERR(sp)) {
+      pending_.pop_back();
       int expected = 0;
       p.status.compare_exchange_strong(expected, static_cast<int>(UCS_PTR_STATUS(sp)));
       return false;
     }
-    pending_.push_back(sp);
+    q.req = sp;
     return true;
   }
 
-  // Frees the completed requests; true when none is left.
+  // Frees the completed sends; true when none is left.
   bool reap() {
-    size_t k = 0;
-    for (size_t i = 0; i < pending_.size(); ++i) {
-      if (a_.ucp_request_check_status(pending_[i]) == UCS_INPROGRESS) {
-        pending_[k++] = pending_[i];
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (a_.ucp_request_check_status(it->req) == UCS_INPROGRESS) {
+        ++it;
       } else {
-        a_.ucp_request_free(pending_[i]);
+        a_.ucp_request_free(it->req);
+        it = pending_.erase(it);
       }
     }
-    pending_.resize(k);
-    return k == 0;
+    return pending_.empty();
   }
 
   void drain_for(double timeout_s) {
@@ -339,10 +365,12 @@ class UcxLink final : public HostLink {
   }
 
   void wireup_loop() {
+    ucp_request_param_t nocb;
+    std::memset(&nocb, 0, sizeof(nocb));
     std::vector<std::pair<size_t, void*>> flushes;
     for (size_t r = 0; r < peers_.size(); ++r) {
       if (!remote_[r] || peers_[r].ep == nullptr) continue;
-      void* f = a_.ucp_ep_flush_nbx(peers_[r].ep, &nocb_);
+      void* f = a_.ucp_ep_flush_nbx(peers_[r].ep, &nocb);
       if (f == nullptr) {
         peers_[r].answered.store(true);
       } else if (UCS_PTR_IS_ERR(f)) {
@@ -378,13 +406,14 @@ class UcxLink final : public HostLink {
   std::vector<bool> remote_;
   char* seg_;
   size_t bytes_;
+  RemoteWriteCheck accept_;
   std::vector<Peer> peers_;
   pid_t creator_;
   ucp_context_h ctx_ = nullptr;
   ucp_worker_h worker_ = nullptr;
-  ucp_mem_h memh_ = nullptr;
-  std::vector<void*> pending_;
-  ucp_request_param_t nocb_{};  // no callback: requests are polled (reap)
+  std::list<Pending> pending_;
+  ucp_request_param_t send_prm_;
+  std::atomic<uint64_t> dropped_{0};  // messages refused by on_message
   std::thread thread_;
   std::atomic<bool> stop_{false};
 };
@@ -393,9 +422,9 @@ class UcxLink final : public HostLink {
 
 std::unique_ptr<HostLink> open_ucx_link(const std::string& libucp, int rank, const std::vector<bool>& remote,
                                         char* segment, size_t segment_bytes, const std::string& net_device,
-                                        std::string* blob) {
+                                        const RemoteWriteCheck& accept, std::string* blob) {
   const Api& a = api(libucp);
-  return std::unique_ptr<HostLink>(new UcxLink(a, rank, remote, segment, segment_bytes, net_device, blob));
+  return std::unique_ptr<HostLink>(new UcxLink(a, rank, remote, segment, segment_bytes, net_device, accept, blob));
 }
 
 #endif  // NVRAR_NO_UCX

@@ -17,14 +17,14 @@
 
 namespace nvrar {
 
-// Opens UCX (libucp at `libucp`), a worker and my segment's registration. `remote[r]`: rank r
-// runs on another host (an endpoint is made to it in connect). `net_device` (may be empty): the
-// UCX device list to use when the user set none (UCX_NET_DEVICES wins). On return *blob holds
-// what every peer needs to reach me (worker address, segment address, remote key). Throws
-// NvrarError (UCX missing, or failing).
+// Opens UCX (libucp at `libucp`) and a worker whose messages land in my segment, each only where
+// `accept` allows. `remote[r]`: rank r runs on another host (an endpoint is made to it in
+// connect). `net_device` (may be empty): the UCX device list to use when the user set none
+// (UCX_NET_DEVICES wins). On return *blob holds what every peer needs to reach me (the worker's
+// address). Throws NvrarError (UCX missing, or failing).
 std::unique_ptr<HostLink> open_ucx_link(const std::string& libucp, int rank, const std::vector<bool>& remote,
                                         char* segment, size_t segment_bytes, const std::string& net_device,
-                                        std::string* blob);
+                                        const RemoteWriteCheck& accept, std::string* blob);
 
 // Whether this module was compiled with UCX's headers (else open_ucx_link always throws).
 bool ucx_compiled();
