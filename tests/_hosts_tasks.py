@@ -101,10 +101,31 @@ def task_hosts_fault(args: dict) -> dict:
 
 
 def task_hosts_torch(args: dict) -> dict:
-    """The `nvrar` backend across hosts: a TP MLP under DTensor, bitwise equal to gloo."""
+    """The `nvrar` backend across hosts: a TP MLP under DTensor (parallelize_module), bitwise
+    equal to the same module on a gloo group and to the unsharded one, served by nvrar."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import nvrar.torch as nt
     import _torch_tasks
 
-    return _torch_tasks.TASKS["backend_dtensor_hosts"](args)
+    torch.set_num_threads(1)
+    dist.init_process_group("nvrar", timeout=datetime.timedelta(seconds=120))
+    world = dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref_mesh = DeviceMesh.from_group(gloo, "cpu", mesh_dim_names=("ref",))
+    res: Dict[str, Any] = {"dtensor": _torch_tasks.dtensor_cases(mesh, ref_mesh, None, nt, dist.group.WORLD)}
+    t = torch.arange(5000.0) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    res["value"] = bool(torch.equal(t, torch.arange(5000.0) * (world * (world + 1) // 2)))
+    res["stats"] = nt.stats()
+    nt.reset()
+    _torch_tasks.finish()
+    return res
 
 
 TASKS = {name[len("task_"):]: fn for name, fn in list(globals().items()) if name.startswith("task_hosts_")}

@@ -252,3 +252,16 @@ def test_without_ucx_names_the_extra():
         msg = res.report["exception"]["message"]
         assert res.report["exception"]["type"] == "NvrarError" and "nvrar[ucx]" in msg, msg
     assert left == [] and shm == ["", ""]
+
+
+def test_torch_backend_dtensor_across_hosts():
+    """init_process_group("nvrar") on 2 hosts x 2 ranks: the world group is served by nvrar (not
+    the fallback), and DTensor tensor parallelism gives what gloo gives, bitwise."""
+    pytest.importorskip("torch")
+    results, shm, left = run_hosts(2, 2, "hosts_torch", {}, env={"GLOO_SOCKET_IFNAME": "eth0"}, timeout=400)
+    reports = assert_all_ok(results)
+    for rep in reports:
+        d = rep["dtensor"]
+        assert d["eager_delta"] == 3 and d["eager_equal_gloo"] and d["eager_equal_unsharded"] and d["nonzero"], d
+        assert rep["value"] and rep["stats"]["nvrar"] >= 4 and rep["stats"]["native"] == 0, rep
+    assert shm == ["", ""] and left == []
