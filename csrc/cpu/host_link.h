@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,9 @@ class HostLink {
   virtual std::string peer_error(int rank) const = 0;
   // The cell alone, best effort, for at most timeout_s (abort records); never throws.
   virtual void post_cell(int rank, size_t cell_off, const void* cell, double timeout_s) noexcept = 0;
+  // Messages refused since the link opened (they named a place outside the zones and cells, or
+  // were malformed): a protocol violation, which the waiting rank raises.
+  virtual uint64_t refused() const = 0;
   // The transports and devices UCX chose for the endpoint to `rank` ("tcp/veth1,...").
   virtual std::string transports(int rank) = 0;
 };

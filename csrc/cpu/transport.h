@@ -46,8 +46,12 @@ struct CpuTransport {
       const auto* c = reinterpret_cast<const Cell*>(my() + cell);
       const uint64_t target = flag_word(e, 0);
       HostLink* link = ex->link_.get();
-      ex->spin_until([&] { link->progress(); return load_acquire(&c->word) >= target; },
+      ex->spin_until([&] { link->progress(); return load_acquire(&c->word) >= target || link->refused() != 0; },
                      [&] { return flag_epoch(load_relaxed(&c->word)); }, site, e);
+      if (link->refused() != 0)
+        ex->fail(ProtocolError::Kind::kViolation,
+                 "protocol violation: a message from another host named a place outside the inter-node zones and "
+                 "cells of this rank's segment (refused)", site, e, 0);
     }
     const auto aux = ex->wait(cell, e, sig, site);
     *aux0 = aux.first;

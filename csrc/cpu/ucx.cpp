@@ -257,6 +257,8 @@ class UcxLink final : public HostLink {
     }
   }
 
+  uint64_t refused() const override { return dropped_.load(std::memory_order_relaxed); }
+
   std::string transports(int rank) override {
     Peer& p = peers_[static_cast<size_t>(rank)];
     if (p.ep == nullptr) return "";
