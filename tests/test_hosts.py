@@ -265,3 +265,28 @@ def test_torch_backend_dtensor_across_hosts():
         assert d["eager_delta"] == 3 and d["eager_equal_gloo"] and d["eager_equal_unsharded"] and d["nonzero"], d
         assert rep["value"] and rep["stats"]["nvrar"] >= 4 and rep["stats"]["native"] == 0, rep
     assert shm == ["", ""] and left == []
+
+
+def test_nvrar_bench_across_hosts():
+    """`nvrar-bench` started by the launcher's variables on each host (one rank per host) runs the
+    inter-host path and verifies its data (#wrong 0)."""
+    tmp = tempfile.mkdtemp(prefix="nvrar-hosts-bench-")
+    try:
+        hosts = _netns.Hosts(2, tmp)
+        port = free_port()
+        with hosts:
+            for h in range(2):
+                env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+                env.update({"MASTER_ADDR": hosts.addr(0), "MASTER_PORT": str(port), "RANK": str(h),
+                            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                            "NVRAR_SESSION_SECRET": SECRET, "PYTHONPATH": ROOT})
+                argv = [sys.executable, "-m", "nvrar.bench", "--backends", "nvrar", "--min-bytes", "4K", "--max-bytes",
+                        "16K", "--iters", "5", "--warmup", "2", "--json", os.path.join(tmp, f"bench{h}.json")]
+                hosts.start(h, [{"argv": argv, "env": env, "log": os.path.join(tmp, f"bench{h}.log")}])
+            codes = hosts.wait(240)
+        log = open(os.path.join(tmp, "bench0.log")).read()
+        assert codes == [0, 0], log[-3000:]
+        assert "# total #wrong: 0" in log and "nvrar/two-shot" in log, log[-3000:]
+        assert hosts.exists() == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
