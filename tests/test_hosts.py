@@ -43,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 
 def run_hosts(n_hosts: int, G: int, task: str, args: dict, timeout: float = 180.0, env: Optional[Dict] = None,
               during=None, workdir: Optional[str] = None, rank_env: Optional[Dict[int, Dict]] = None) -> Tuple[List[RankResult], List[str], List[str]]:
-    """Runs `task` on n_hosts namespace hosts x G ranks (node-major: rank = host * G + local).
+    """Runs `task` on n_hosts namespace hosts x G ranks each (rank = host * G + local).
     `during(hosts, workdir)` runs while the ranks run. Returns the ranks' results, every host's
     /dev/shm listing after its ranks exited, and the namespaces still present after clean-up."""
     tmp = workdir or tempfile.mkdtemp(prefix="nvrar-hosts-")
@@ -93,37 +93,39 @@ def run_hosts(n_hosts: int, G: int, task: str, args: dict, timeout: float = 180.
     return results, shm, left
 
 
-def emulated(n_hosts: int, G: int, args: dict) -> List[dict]:
-    """The same task and layout on this host: N x G ranks with ranks_per_node = G."""
-    return assert_all_ok(launch(n_hosts * G, "hosts_matrix", args, env={"NVRAR_SESSION_SECRET": SECRET}))
+def emulated(world: int, args: dict) -> List[dict]:
+    """The same task and layout on this host (args["G"]: ranks_per_node)."""
+    return assert_all_ok(launch(world, "hosts_matrix", args, env={"NVRAR_SESSION_SECRET": SECRET}))
 
 
-LAYOUTS = [(2, 1), (2, 2), (3, 1)]
+# (hosts, ranks per host, ranks_per_node): 2x2 with ranks_per_node=1 emulates two nodes inside each
+# host, so that inter-node steps go through shared memory inside a host and over UCX between hosts.
+LAYOUTS = [(2, 1, 1), (2, 2, 2), (3, 1, 1), (2, 2, 1)]
 
 
-@pytest.mark.parametrize("n_hosts,G", LAYOUTS, ids=[f"{n}x{g}" for n, g in LAYOUTS])
-def test_matrix_across_hosts(n_hosts, G):
+@pytest.mark.parametrize("n_hosts,per_host,G", LAYOUTS, ids=[f"{n}x{h}-G{g}" for n, h, g in LAYOUTS])
+def test_matrix_across_hosts(n_hosts, per_host, G):
     """Correct on every rank, bitwise across ranks, bitwise equal to one host, over tcp only."""
     args = {"G": G, "max_bytes": 65536}
-    results, shm, left = run_hosts(n_hosts, G, "hosts_matrix", args)
+    results, shm, left = run_hosts(n_hosts, per_host, "hosts_matrix", args)
     reports = assert_all_ok(results)
     assert left == [], f"namespaces left behind: {left}"
     assert shm == [""] * n_hosts, f"/dev/shm not empty after the run: {shm}"
-    W = n_hosts * G
+    W = n_hosts * per_host
     for rep in reports:
         m = rep["matrix"]
         assert m["failures"] == [] and m["checked"] > 500, m["failures"]
         # Every rank of another host is reached over tcp (never posix, sysv or cma).
         for peer, tls in rep["transports"].items():
-            same_host = int(peer) // G == rep["rank"] // G
+            same_host = int(peer) // per_host == rep["rank"] // per_host
             if same_host:
                 assert tls == ""
             else:
                 lanes = tls.split(",")
                 assert lanes and all(lane.split("/")[0] == "tcp" for lane in lanes), (rep["rank"], peer, tls)
-        assert rep["host"] == f"nvrhost{rep['rank'] // G}"
+        assert rep["host"] == f"nvrhost{rep['rank'] // per_host}"
     assert len({rep["matrix"]["digest"] for rep in reports}) == 1, "results differ between ranks (bitwise)"
-    one_host = emulated(n_hosts, G, args)
+    one_host = emulated(n_hosts * per_host, args)
     for rep, ref in zip(reports, one_host):
         assert len(rep["cases"]) >= 144
         diff = [k for k in rep["cases"] if rep["cases"][k] != ref["cases"].get(k)]
