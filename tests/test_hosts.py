@@ -134,7 +134,7 @@ def test_matrix_across_hosts(n_hosts, per_host, G):
     assert W == len(reports)
 
 
-def _wait_ready(tmp: str, ranks: List[int], timeout: float = 90.0) -> float:
+def _wait_ready(tmp: str, ranks: List[int], timeout: float = 240.0) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all(os.path.exists(os.path.join(tmp, f"ready-{r}")) for r in ranks):

@@ -109,6 +109,23 @@ class UcxLink final : public HostLink {
           const RemoteWriteCheck& accept, std::string* blob)
       : a_(a), rank_(rank), remote_(remote), seg_(seg), bytes_(bytes), accept_(accept), peers_(remote.size()),
         creator_(getpid()) {
+    try {
+      open(dev, blob);
+    } catch (...) {
+      release();  // a constructor that throws runs no destructor
+      throw;
+    }
+  }
+
+  ~UcxLink() override {
+    if (getpid() != creator_) return;  // a forked child: UCX's state is the creator's
+    stop_wireup();
+    drain_for(0.2);
+    release();
+  }
+
+ private:
+  void open(const std::string& dev, std::string* blob) {
     ucp_config_t* cfg = nullptr;
     check(a_.ucp_config_read(nullptr, nullptr, &cfg), "reading its configuration");
     // The device that reaches the rendezvous host, unless the user chose (UCX_NET_DEVICES).
@@ -147,10 +164,7 @@ class UcxLink final : public HostLink {
     send_prm_.datatype = UCP_DATATYPE_IOV;
   }
 
-  ~UcxLink() override {
-    if (getpid() != creator_) return;  // a forked child: UCX's state is the creator's
-    stop_wireup();
-    drain_for(0.2);
+  void release() {
     for (auto& q : pending_) a_.ucp_request_free(q.req);
     pending_.clear();
     std::vector<void*> closing;
@@ -172,8 +186,11 @@ class UcxLink final : public HostLink {
     }
     if (worker_ != nullptr) a_.ucp_worker_destroy(worker_);
     if (ctx_ != nullptr) a_.ucp_cleanup(ctx_);
+    worker_ = nullptr;
+    ctx_ = nullptr;
   }
 
+ public:
   void connect(const std::vector<std::string>& blobs) override {
     NVRAR_CHECK(blobs.size() == remote_.size(), "nvrar: got ", blobs.size(), " UCX addresses for ", remote_.size(),
                 " ranks");
