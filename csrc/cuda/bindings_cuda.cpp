@@ -112,6 +112,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("epoch", &gpu::GpuExecutor::epoch)
       .def_property_readonly("pool_address", &gpu::GpuExecutor::pool_address)
       .def_property_readonly("pool_bytes", &gpu::GpuExecutor::pool_bytes)
+      .def("symmetric", &gpu::GpuExecutor::symmetric, py::arg("ptr"), py::arg("nbytes"))
       .def_property_readonly("max_bytes", [](const gpu::GpuExecutor& ex) { return ex.config().max_bytes; })
       .def("close", &gpu::GpuExecutor::close, py::call_guard<py::gil_scoped_release>())
       .def("abandon", &gpu::GpuExecutor::abandon);

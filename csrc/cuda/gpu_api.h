@@ -77,6 +77,9 @@ class GpuExecutor {
   Algorithm resolve(Algorithm v, size_t bytes) const;
   uint64_t epoch();  // synchronizes the device
   uintptr_t pool_address() const;
+  // Whether [p, p + bytes) is reduced without a stage-in copy: in NVSHMEM's symmetric heap
+  // (this pool, or nvshmem4py's tensors), 16-byte aligned (runtime.cu, NOTE [symmetric buffers]).
+  bool symmetric(uintptr_t p, size_t bytes) const;
   size_t pool_bytes() const;
   const GpuConfig& config() const;
   void close();    // collective (nvshmem_free)

@@ -343,6 +343,9 @@ uintptr_t GpuExecutor::pool_address() const {
   return reinterpret_cast<uintptr_t>(impl_->segment + impl_->layout.pool_off);
 }
 size_t GpuExecutor::pool_bytes() const { return impl_->layout.pool_bytes; }
+bool GpuExecutor::symmetric(uintptr_t p, size_t bytes) const {
+  return !impl_->closed && (impl_->symmetric(p, bytes) || (p >= pool_address() && p + bytes <= pool_address() + pool_bytes()));
+}
 
 Algorithm GpuExecutor::resolve(Algorithm a, size_t bytes) const {
   return resolve_algorithm(a, bytes, impl_->cfg.oneshot_max_bytes);
