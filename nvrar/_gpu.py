@@ -17,10 +17,10 @@ import importlib.metadata
 import importlib.util
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 __all__ = ["load", "built", "version_mismatch", "nvshmem4py_version", "nvshmem4py", "library_mismatch",
-           "mapped_host_libraries", "Nvshmem4pyInit", "Executor"]
+           "mapped_host_libraries", "nvshmem4py_initialized", "nvshmem4py_device", "Nvshmem4pyInit", "Executor"]
 
 _module: Any = None
 _error: Optional[str] = None
@@ -282,12 +282,16 @@ class Executor:
         return getattr(self._ex, name)
 
     def close(self) -> None:
-        self._ex.close()  # nvshmem_free of the segment, then nvrar's own NVSHMEM reference
-        self._drop(finalize=True)
+        try:
+            self._ex.close()  # nvshmem_free of the segment, then nvrar's own NVSHMEM reference
+        finally:
+            self._drop(finalize=True)
 
     def abandon(self) -> None:
-        self._ex.abandon()  # not collective: nvshmem4py's initialization stays to the end of the process
-        self._drop(finalize=False)
+        try:
+            self._ex.abandon()  # not collective: nvshmem4py's initialization stays to the end of the process
+        finally:
+            self._drop(finalize=False)
 
     def _drop(self, finalize: bool) -> None:
         if self._n4p_ref:
@@ -295,6 +299,12 @@ class Executor:
             Nvshmem4pyInit.release(finalize)
 
 
-def nvshmem4py_state(core: Any) -> Dict[str, Any]:
-    """What this process's nvshmem4py says before nvrar touches NVSHMEM (for the exchange)."""
-    return {"nvshmem4py": nvshmem4py_version(), "nvshmem4py_initialized": nvshmem4py_initialized(core)}
+def nvshmem4py_device(core: Any) -> Optional[int]:
+    """The CUDA device nvshmem4py's init bound this process to (None if it has none recorded)."""
+    try:
+        from nvshmem.core import _internal_tracking as tracking
+
+        dev = tracking._cached_device["device"]
+        return None if dev is None else int(dev.device_id)
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return None

@@ -223,6 +223,9 @@ def _nvshmem_mode(mod: Any, core: Any, rank: int, world: int) -> Dict[str, Any]:
     elif lib_status >= 2:
         pe, npes = mod.nvshmem_pes()
         out.update(mode="join", by=by)
+        bound = _gpu.nvshmem4py_device(core) if n4p else None
+        if bound is not None:
+            out["device"] = bound  # the device nvshmem4py's init bound NVSHMEM to, not nvrar's own choice
         if (pe, npes) != (rank, world):
             out["error"] = (f"device='cuda': NVSHMEM (initialized by {by}) runs this process as PE {pe} of {npes}, but "
                             f"the communicator has it as rank {rank} of {world}; create the communicator over the "
