@@ -187,7 +187,8 @@ def library_mismatch(mod: Any, core: Any) -> Optional[str]:
                 f"NVSHMEM_HOME, or point LD_LIBRARY_PATH at it)")
     mapped = mapped_host_libraries()
     if len(mapped) > 1:
-        return f"this process maps {len(mapped)} NVSHMEM host libraries: {', '.join(mapped)}; nvrar uses {ours}"
+        return (f"this process maps {len(mapped)} NVSHMEM host libraries ({', '.join(mapped)}): two NVSHMEM states; "
+                f"nvrar uses {ours}, nvshmem4py {theirs}; load one only (NVSHMEM_HOME and cuda.pathfinder must agree)")
     if ours_version != theirs_version:
         return f"NVSHMEM versions disagree: nvrar sees {ours_version}, nvshmem4py {theirs_version} in {ours}"
     built_with = str(mod.build_info()["nvshmem_version"])

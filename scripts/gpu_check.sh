@@ -313,7 +313,8 @@ import importlib.metadata as md
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu",
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-for name in ("nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "cupy-cuda13x", "pytest-timeout", "pybind11", "setuptools"):
+for name in ("nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "cupy-cuda13x", "pytest-timeout", "pybind11", "setuptools",
+             "nvshmem4py-cu13", "cuda-core", "cuda-bindings", "cuda-pathfinder"):
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
