@@ -242,16 +242,18 @@ PY
   local names
   names=$(ls "$1"/*.whl | xargs -n1 basename | sed 's/-[0-9].*//' | tr '_' '-' | sort -u)
   # shellcheck disable=SC2086
-  PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --dry-run --no-index --find-links "$1" --no-deps --only-binary :all: --python-version 3.12 \
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip --isolated install --dry-run --no-index --find-links "$1" --no-deps --only-binary :all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --target "$(mktemp -d /tmp/gpu_check-wheels.XXXXXX)" $names
 }
 
 # On the GPU machine: nvshmem4py from the carried wheels, resolved against what is installed there.
 wheels_install() {  # $1: the folder
-  export PIP_CONFIG_FILE=/dev/null  # the carried folder alone, whatever pip's configuration there says
-  "$PY" -m pip install --no-index --find-links "$1" --no-compile -q nvshmem4py-cu13 \
-    || "$PY" -m pip install --no-index --find-links "$1" --no-compile -q --break-system-packages nvshmem4py-cu13 \
+  # the carried folder alone (--isolated: no PIP_* variables, no user configuration)
+  export PIP_CONFIG_FILE=/dev/null
+  "$PY" -m pip --isolated install --no-index --find-links "$1" --no-compile -q nvshmem4py-cu13 \
+    || "$PY" -m pip --isolated install --no-index --find-links "$1" --no-compile -q --break-system-packages \
+      nvshmem4py-cu13 \
     || return 1
   "$PY" -m pip check || echo "(pip check complains: see above; the tests say whether it matters)"
   "$PY" -c "import nvshmem.core, nvrar._gpu as g; print('nvshmem4py', g.nvshmem4py_version(), 'imports')"

@@ -9,6 +9,7 @@ import importlib.metadata as md
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 
@@ -27,9 +28,16 @@ INFO = nvrar.build_info()
 needs_cuda_build = pytest.mark.skipif(not INFO["cuda"], reason=f"needs the GPU executor built: {INFO['cuda_error']}")
 
 
+def _installed_requires():
+    """nvrar's requirements as installed (its dist-info in site-packages; not a nvrar.egg-info that a
+    build left in the source tree, which the current directory would put first)."""
+    dists = list(md.distributions(name="nvrar", path=site.getsitepackages()))
+    assert dists, f"nvrar is not installed in {site.getsitepackages()}"
+    return dists[0].requires or []
+
+
 def _extra_requirements(extra):
-    reqs = md.requires("nvrar") or []
-    return [r for r in reqs if f'extra == "{extra}"' in r.replace("'", '"')]
+    return [r for r in _installed_requires() if f'extra == "{extra}"' in r.replace("'", '"')]
 
 
 def test_extra_follows_the_build():
@@ -38,7 +46,7 @@ def test_extra_follows_the_build():
     extra = _extra_requirements("nvshmem4py")
     assert any(r.startswith("nvshmem4py-cu13") for r in extra), extra
     pins = [r for r in extra if r.startswith("nvidia-nvshmem-cu13")]
-    deps = [r for r in (md.requires("nvrar") or []) if r.startswith("nvidia-nvshmem-cu13") and "extra ==" not in r]
+    deps = [r for r in _installed_requires() if r.startswith("nvidia-nvshmem-cu13") and "extra ==" not in r]
     if INFO["nvshmem_version"]:
         assert len(pins) == 1 and f"=={INFO['nvshmem_version']}" in pins[0], (pins, INFO)
         assert len(deps) == 1 and f"=={INFO['nvshmem_version']}" in deps[0], deps
