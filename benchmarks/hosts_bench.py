@@ -62,11 +62,11 @@ def rank_main(out_path: str, sizes) -> None:
         x_np = np.ones(n, dtype=np.float32)
         x_t = torch.ones(n, dtype=torch.float32)
 
-        def run_nvrar():
-            comm.all_reduce(x_np)
+        def run_nvrar(x=x_np):
+            comm.all_reduce(x)
 
-        def run_gloo():
-            dist.all_reduce(x_t)
+        def run_gloo(x=x_t):
+            dist.all_reduce(x)
 
         for name, fn in (("nvrar", run_nvrar), ("gloo", run_gloo)):
             for _ in range(3):

@@ -231,28 +231,117 @@ def cuda_device(rank: int, G: int, count: int) -> int:
 
 
 def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[Any, int]:
-    """(the GPU executor, this rank's CUDA device)."""
+    """(the GPU executor, this rank's CUDA device). NVSHMEM is joined where this process has it
+    initialized already (nvshmem4py, by the user), else initialized through nvshmem4py where it
+    is installed, else by nvrar itself (docs/gpu/executor.md, "nvrar and nvshmem4py")."""
     from . import _gpu
 
     # Everything that can fail locally is checked, and the verdicts exchanged, before the
-    # collective NVSHMEM setup: a rank must not leave the others waiting in it.
+    # collective NVSHMEM setup: a rank must not leave the others waiting in it. No NVSHMEM call
+    # is made before a CUDA device is known to be there (without one, NVSHMEM ends the process).
     mod, err = _gpu.load()
-    status: Dict[str, Any] = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1}
+    status: Dict[str, Any] = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1, "mode": "",
+                              "by": ""}
+    core = None
     if mod is not None:
         n, why = mod.device_count()
         if n == 0:
             status["error"] = f"device='cuda' needs a CUDA device: {why}"
         else:
             status["device"] = cuda_device(rank, G, n)
+            core, _ = _gpu.nvshmem4py()
+            status.update(_nvshmem_mode(mod, core, rank, world))
     statuses = boot.allgather_json(status, "device status")
     _raise_failed(statuses)
+    _check_modes(statuses)
     assert mod is not None
-    uid = boot.allgather(mod.unique_id() if rank == 0 else b"")[0]
     device = int(status["device"])
-    ex = mod.GpuExecutor(
-        rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
-        oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
-        max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, uid=uid)
+    mode = status["mode"]
+    uid = b""
+    n4p_ref = False
+    if mode == "nvrar":
+        uid = boot.allgather(mod.unique_id() if rank == 0 else b"")[0]
+    elif mode == "nvshmem4py":
+        # NVSHMEM sizes its heap when nvshmem4py initializes it: nvrar's default first.
+        mod.set_symmetric_size_default(rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes,
+                                       pool_bytes=st.heap_bytes, oneshot_max_bytes=st.oneshot_max(G),
+                                       ll_max_bytes=st.ll_max_bytes, max_blocks=st.max_blocks)
+        uid = boot.allgather(_gpu.Nvshmem4pyInit.unique_id(core) if rank == 0 else b"")[0]
+        done = {"error": ""}
+        try:
+            _gpu.Nvshmem4pyInit.init(core, device, rank, world, uid)
+        except NvrarError as exc:
+            done["error"] = str(exc)
+        # A rank that initialized keeps NVSHMEM when another failed (finalizing would wait for it).
+        _raise_failed(boot.allgather_json(done, "nvshmem4py init status"))
+        n4p_ref = _gpu.Nvshmem4pyInit.acquire()
+        uid = b""
+    else:  # "join": over the NVSHMEM initialized in this process (by the user, or by an earlier communicator)
+        n4p_ref = _gpu.Nvshmem4pyInit.acquire()
+    try:
+        ex = mod.GpuExecutor(
+            rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
+            oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
+            max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, uid=uid)
+    except BaseException:
+        if n4p_ref:
+            _gpu.Nvshmem4pyInit.release(finalize=False)
+        raise
     for line in mod.env_set_by_nvrar():
         _log.info("nvrar: set %s (not set by the user)", line)
-    return ex, device
+    if mode != "nvrar":
+        _log.info("nvrar: NVSHMEM %s (%s)", "joined" if mode == "join" else "initialized through nvshmem4py",
+                  status["by"] or "nvshmem4py")
+    return _gpu.Executor(ex, n4p_ref), device
+
+
+def _nvshmem_mode(mod: Any, core: Any, rank: int, world: int) -> Dict[str, Any]:
+    """How this rank comes to NVSHMEM ("join", "nvshmem4py" or "nvrar") and what is wrong with it, if
+    anything: the same host library for nvrar and nvshmem4py, the PE numbering of an NVSHMEM in force."""
+    from . import _gpu
+
+    out: Dict[str, Any] = {"mode": "", "by": "", "error": ""}
+    if core is not None:
+        why = _gpu.library_mismatch(mod, core)
+        if why:
+            out["error"] = f"device='cuda': {why}"
+            return out
+    lib_status = mod.nvshmem_init_status()
+    n4p = core is not None and _gpu.nvshmem4py_initialized(core)
+    by = "nvshmem4py" if n4p else "another library in this process"
+    if _gpu.Nvshmem4pyInit.live:
+        by = "nvrar, through nvshmem4py"
+    if lib_status == 1:
+        out["error"] = (f"device='cuda': NVSHMEM in this process was bootstrapped but not initialized (status 1, by "
+                        f"{by}); nvrar does not complete it")
+    elif lib_status >= 2:
+        pe, npes = mod.nvshmem_pes()
+        out.update(mode="join", by=by)
+        bound = _gpu.nvshmem4py_device(core) if n4p else None
+        if bound is not None:
+            out["device"] = bound  # the device nvshmem4py's init bound NVSHMEM to, not nvrar's own choice
+        if (pe, npes) != (rank, world):
+            out["error"] = (f"device='cuda': NVSHMEM (initialized by {by}) runs this process as PE {pe} of {npes}, but "
+                            f"the communicator has it as rank {rank} of {world}; create the communicator over the "
+                            f"same processes in the same order as NVSHMEM's PEs")
+    elif n4p:
+        out["error"] = "device='cuda': nvshmem4py says it is initialized but NVSHMEM's status is 0 (not initialized)"
+    else:
+        out["mode"] = "nvshmem4py" if core is not None else "nvrar"
+    return out
+
+
+def _check_modes(statuses: Sequence[Dict[str, Any]]) -> None:
+    """Every rank must come to NVSHMEM the same way: all joining one in force, or all initializing
+    it, through nvshmem4py on every rank or on none."""
+    modes = [s["mode"] for s in statuses]
+    if len(set(modes)) <= 1:
+        return
+    by_mode: Dict[str, list] = {}
+    for r, m in enumerate(modes):
+        by_mode.setdefault(m, []).append(r)
+    words = {"join": "have NVSHMEM initialized already", "nvshmem4py": "would initialize it through nvshmem4py",
+             "nvrar": "would initialize it without nvshmem4py (not installed there)"}
+    raise NvrarError("Communicator(device='cuda'): the ranks do not come to NVSHMEM alike: " + "; ".join(
+        f"ranks {rs} {words.get(m, m)}" for m, rs in sorted(by_mode.items())) +
+        "; initialize NVSHMEM on every rank or on none, and install nvshmem4py on every rank or on none")
