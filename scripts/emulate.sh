@@ -158,7 +158,7 @@ PY
     '        nvshmem_fence();\n' '' \
     -- --only "remote abort" --repeat 4
   m call-description-unchecked cuda/device.cuh plain \
-    'if (!desc_equal(theirs, desc)) {' 'if (false && !desc_equal(theirs, desc)) {' \
+    'return desc_equal(theirs, desc);' 'return true || desc_equal(theirs, desc);' \
     -- --only "collision"
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
