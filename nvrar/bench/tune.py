@@ -63,8 +63,7 @@ def _run(args: argparse.Namespace) -> int:
 
     _validate(args._parser, args)
     argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "tune" else []
-    args.tune = True
-    return run(args, argv, module="nvrar.bench.tune")
+    return run(args, argv, module="nvrar.bench.tune", rank_fn=tune_rank)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
