@@ -45,7 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=4,
                    help="the iterations are split into this many rounds over the backends (default 4)")
     p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
-                   help="comma list of nvrar, mpi, gloo (CPU peers), nccl, nvshmem (GPU peers)")
+                   help="comma list of nvrar, mpi, gloo, deepspeed (CPU peers; deepspeed: its shm "
+                        "inference_all_reduce, where DeepSpeed is installed), nccl, nvshmem (GPU peers)")
+    p.add_argument("--timing", choices=["cold", "warm", "both"], default="both",
+                   help="cold: a barrier before every timed call (how tensor-parallel decode calls arrive); "
+                        "warm: back-to-back calls (as nccl-tests time); both (default): every row twice")
     p.add_argument("--algorithms", default=None,
                    help=f"nvrar algorithms to measure, comma list (default {_ALGORITHMS}); add-rms-norm adds the fused "
                         "all-reduce + residual add + RMSNorm")

@@ -26,6 +26,7 @@ def tune_rank(args: argparse.Namespace, launcher: str) -> int:
     args.backends = "nvrar,gloo" if args.device == "cpu" else "nvrar,nccl"
     args.algorithms = "one-shot,two-shot"
     args.buffers = "ordinary"
+    args.timing = "warm"  # one row per (algorithm, size): the table's buckets compare like with like
     args.launched_by = launcher
     rows = runner.run_rank(args, launcher, collect=True)
     if rows is None:  # not rank 0
