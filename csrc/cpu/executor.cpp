@@ -21,7 +21,10 @@ namespace {
 
 constexpr size_t kMinChunkBytes = 256;               // smallest max_bytes accepted (bytes)
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a waiter checks its peer's process
-constexpr auto kSpinPhase = std::chrono::microseconds(100);     // a waiter spins this long before yielding the core
+constexpr auto kSpinPhase = std::chrono::microseconds(100);     // a waiter spins at most this long before yielding
+constexpr auto kMinSpinPhase = std::chrono::microseconds(2);    // ... and at least this long (NOTE [waiting])
+constexpr uint64_t kMaxSpinNs = std::chrono::duration_cast<std::chrono::nanoseconds>(kSpinPhase).count();
+constexpr uint64_t kMinSpinNs = std::chrono::duration_cast<std::chrono::nanoseconds>(kMinSpinPhase).count();
 constexpr uint64_t kSpinPollsOversubscribed = 16;  // more ranks than cores: polls before yielding
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
@@ -434,21 +437,29 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
 // NOTE [waiting]
 // Decode calls arrive microseconds apart (the peers leave the same matmul), so a waiter first
 // spins: it polls its flag, its abort cell and the closing mark (all in its own memory: cache
-// hits until a peer writes them) for kSpinPhase, reading the clock once per 64 polls. With more
-// ranks than cores the rank it waits for may need this very core, so it spins only
-// kSpinPollsOversubscribed polls. Then it gives the core away: the caller's block hook first
-// (the bindings release the GIL there, not before), then sched_yield between polls, with the
-// deadline, the peer's liveness and the caller's signal check about every 50 ms; after
-// kYieldPhase it sleeps between polls.
+// hits until a peer writes them), reading the clock once per 64 polls. With more ranks than
+// cores the rank it waits for may need this very core, so it spins only kSpinPollsOversubscribed
+// polls. Otherwise the spin lasts spin_ns_, which adapts between kMinSpinPhase and kSpinPhase:
+// halved after every wait that the spin did not cover, doubled after every wait it did. On a
+// host whose other work puts the peer on this rank's core (or deschedules it), waits stop
+// burning 100 us before they let it run; when the peer runs beside us, the spin grows back
+// within a few calls. Then the waiter gives the core away: the caller's block hook first (the
+// bindings release the GIL there, not before), then sched_yield between polls (which returns at
+// once where nothing else wants the core, so a late peer costs a few system calls, not a
+// sleep), with the deadline, the peer's liveness and the caller's signal check about every
+// 50 ms; after kYieldPhase it sleeps between polls.
 template <typename Ready, typename Observed>
 void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch) {
   if (ready()) return;
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto spin_end = start + kSpinPhase;
+  const auto spin_end = start + std::chrono::nanoseconds(spin_ns_);
   for (uint64_t it = 1;; ++it) {
-    if (ready()) return;
+    if (ready()) {
+      spin_ns_ = std::min<uint64_t>(spin_ns_ * 2, kMaxSpinNs);
+      return;
+    }
     if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
     if (closing_.load(std::memory_order_relaxed))
       fail(ProtocolError::Kind::kViolation, "the communicator was closed by another thread during the call", site,
@@ -456,6 +467,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
     if (it >= spin_polls_ || ((it & 63) == 0 && clock::now() >= spin_end)) break;
     cpu_relax();
   }
+  spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, kMinSpinNs);
   if (intr_ != nullptr && intr_->block != nullptr) intr_->block(intr_->ctx);
   const auto* peer_header = reinterpret_cast<const SegmentHeader*>(heap_.base(site.peer));
   const auto deadline =

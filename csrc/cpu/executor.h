@@ -163,6 +163,7 @@ class CpuExecutor {
   RoundConfig round_cfg_{};
   CallLimits limits_{};                     // what the configuration fixes for every call (protocol/call.h)
   uint64_t spin_polls_ = 0;                 // polls at most before a waiter starts yielding the core
+  uint64_t spin_ns_ = 100000;               // how long a waiter spins now (NOTE [waiting], executor.cpp)
   uint64_t born_fork_gen_ = 0;              // fork generation of the creating process (executor.cpp)
   // The plan of the last call, reused while the next call has the same arguments (it depends on
   // nothing else: limits_ are fixed at construction).
