@@ -1,0 +1,102 @@
+// The CPU executor's transport: what protocol/round.h's Transport concept asks of it, for the
+// CPU executor (csrc/cpu/executor.cpp). A round is run by one thread per rank (a group of one).
+//
+//   inside a host   shared memory: every rank on the host maps every other's segment (shm_heap.h);
+//                   flags are stores into the peer's cells (segment.h), data is memcpy, private
+//                   buffers of local peers are reached with process_vm_readv/writev
+//   between hosts   (not yet: every rank on one host)
+//
+// Methods are inline: the round is a template over its transport, and the shared-memory path is
+// the latency-critical one. The transport calls the executor's waits (signal, wait, wait_ll,
+// spin_until, same_call) and never re-implements them. Failures throw (ProtocolError).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "../protocol/ll.h"
+#include "../protocol/phase.h"
+#include "executor.h"
+#include "segment.h"
+
+namespace nvrar {
+
+// The CPU side of the Transport concept of protocol/round.h (see the file comment). A friend of
+// CpuExecutor: it reaches the executor's segment, call description and waits.
+struct CpuTransport {
+  CpuExecutor* ex;
+  ReduceFn fn;
+  uint64_t epoch;
+
+  char* my() const { return ex->heap_.mine(); }
+  char* base(int rank) const { return ex->heap_.base(rank); }
+  bool leader() const { return true; }
+  void sync() const {}
+  void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
+    ex->signal(rank, cell, word, aux0, aux1);
+  }
+  bool wait(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, uint64_t* aux0, uint64_t* aux1) {
+    const auto aux = ex->wait(cell, e, sig, CpuExecutor::Site{phase, step, peer});
+    *aux0 = aux.first;
+    *aux1 = aux.second;
+    return true;
+  }
+  bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
+    std::memcpy(base(rank) + dst_off, src, bytes);
+    ex->signal(rank, cell, word, 0, 0);
+    return true;
+  }
+  // LL packets go straight into the peer's LL zone, one 8-byte atomic store each. The call
+  // description goes first into the step's inter cell (NOTE [call description]), the flag word
+  // after the packets (a receiver that expects a put-with-signal sees the mismatch at once).
+  bool put_ll(int rank, size_t dst_off, size_t /*out_off*/, const char* src, size_t bytes, uint32_t flag) {
+    auto* c = reinterpret_cast<Cell*>(base(rank) + ex->ll_desc_cell(dst_off));
+    store_desc(&c->desc, ex->desc_);
+    std::atomic_thread_fence(std::memory_order_release);
+    auto* pk = reinterpret_cast<uint64_t*>(base(rank) + dst_off);
+    const size_t n = ll_packets(bytes);
+    for (size_t i = 0; i < n; ++i) {
+      store_relaxed(&pk[i], ll_make_packet(src, bytes, i, flag));
+      if ((i & 255) == 255) ex->jitter();
+    }
+    store_release(&c->word, flag_word(epoch, flag & static_cast<uint32_t>(kSigMask)));
+    return true;
+  }
+  bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
+    ex->wait_ll(off, bytes, e, sig, CpuExecutor::Site{Phase::kInterNode, step, peer});
+    return true;
+  }
+  void ll_unpack(char* dst, size_t off, size_t bytes) {
+    auto* pk = reinterpret_cast<uint64_t*>(my() + off);
+    const size_t n = ll_packets(bytes);
+    for (size_t i = 0; i < n; ++i) {
+      ll_store_payload(dst, bytes, i, load_relaxed(&pk[i]));
+      store_relaxed(&pk[i], 0);  // NOTE [LL zones]
+    }
+  }
+  void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) const {
+    fn(reinterpret_cast<void* const*>(dst), nd, reinterpret_cast<const void* const*>(src), ns, n, sc);
+  }
+  void copy(char* dst, const char* src, size_t bytes) const {
+    if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+  }
+  bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
+    const CpuExecutor::Site site{phase, 0, rank};
+    ex->check_remote_range(false, rank, addr, bytes, site, epoch);
+    ex->cma_transfer(false, rank, dst, addr, bytes, site, epoch);
+    return true;
+  }
+  bool remote_write(int rank, const char* src, uint64_t addr, size_t bytes, Phase phase) {
+    ex->jitter();
+    const CpuExecutor::Site site{phase, 0, rank};
+    ex->check_remote_range(true, rank, addr, bytes, site, epoch);
+    ex->cma_transfer(true, rank, const_cast<char*>(src), addr, bytes, site, epoch);
+    return true;
+  }
+  void expose(uint64_t e) { ex->exposed_epoch_ = e; }
+  void jitter() { ex->jitter(); }
+};
+
+}  // namespace nvrar
