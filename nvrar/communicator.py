@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import sys
@@ -51,6 +52,14 @@ def _count_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_count_fork)
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity mask), as the executor counts them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class Communicator:
@@ -122,6 +131,12 @@ class Communicator:
             self._timeout = st.timeout_s
             self._settings = st
             if device == "cpu":
+                # every rank of a CPU communicator runs on this host
+                cma_min = _config.cpu_cma_min_bytes(st, self._world, _cores(),
+                                                    env.get_bytes("NVRAR_CMA_MIN_BYTES") is not None)
+                if cma_min != st.cma_min_bytes:
+                    st = dataclasses.replace(st, cma_min_bytes=cma_min)
+                    self._settings = st
                 self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret)
             else:
                 self._ex, self._cuda_device = _setup.setup_gpu(boot, self._rank, self._world, G, st)

@@ -20,7 +20,7 @@ from . import _C
 __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
-           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "AGREED"]
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -84,6 +84,24 @@ GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 3
 # 2 ranks, median us at 8K/16K/32K messages: threshold 4K 3.62/4.11/5.19, 8K 3.14/4.20/5.27,
 # 32K 3.16/4.88/8.10 (NVRAR_CMA_MIN_BYTES=... nvrar-bench --algorithms two-shot --buffers ordinary).
 CMA_MIN_BYTES = 8 << 10
+
+# With more ranks on the host than cores, cross-memory transfers lose to staging through the
+# segment: 4 ranks on 2 cores, cold (a barrier before each call), 32K-512K, nvrar time / MPI_Allreduce
+# time 0.45-0.86 staged vs 0.79-1.23 by cross-memory access (two runs, alternated: nvrar-bench
+# --ranks 4 --timing cold --buffers ordinary, with NVRAR_CMA=0 and without). A process_vm_readv or
+# writev pins the peer's pages and needs it scheduled state-free, six of them per piece at G = 4;
+# a staged shard is plain loads from shared memory. So there, unless NVRAR_CMA_MIN_BYTES is set,
+# no shard goes by cross-memory transfer (cpu_cma_min_bytes).
+
+
+def cpu_cma_min_bytes(st: "Settings", ranks_on_host: int, cores: int, explicit: bool) -> int:
+    """The cross-memory threshold a CPU executor is built with: ``st.cma_min_bytes``, except with
+    more ranks on the host than cores and no explicit NVRAR_CMA_MIN_BYTES, where it is larger than
+    any shard (every shard is staged through the segment; see CMA_MIN_BYTES)."""
+    if explicit or ranks_on_host <= cores:
+        return st.cma_min_bytes
+    return st.max_bytes + 1
+
 
 # Cross-memory transfers are split into pieces of this size (bytes), each fetched, reduced and
 # pushed while it is in cache; whole shards of a few MB would spill a 2 MB L2 cache.
