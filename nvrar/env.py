@@ -101,7 +101,8 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar(
             "NVRAR_CMA_MIN_BYTES",
             _defaults.size_text(_defaults.CMA_MIN_BYTES),
-            "CPU executor: smallest shard moved by cross-memory reads and writes.",
+            "CPU executor: smallest shard moved by cross-memory reads and writes. Unset, with more "
+            "ranks than cores, no shard is (they are staged through the shared segment).",
         ),
     )
 }
