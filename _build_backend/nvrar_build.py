@@ -4,6 +4,10 @@ the GPU executor, and one without nvcc never downloads NVSHMEM).
 
 NVRAR_CUDA=0 builds the CPU executor alone; NVSHMEM_HOME points at an NVSHMEM installation to use
 instead of the wheel.
+
+UCX's headers come from the libucx-cu12 wheel, put into the build environment too (only its
+headers are used: nvrar._C opens libucp at run time, csrc/cpu/ucx.h). NVRAR_UCX=0 leaves it out
+(the module then raises for communicators across hosts); UCX_HOME points at a UCX installation.
 """
 
 import os
@@ -31,9 +35,19 @@ def _cuda_requirements():
     return [NVSHMEM_BUILD_REQUIREMENT]
 
 
+UCX_BUILD_REQUIREMENT = "libucx-cu12>=1.15"
+
+
+def _ucx_requirements():
+    if os.environ.get("NVRAR_UCX", "").strip() == "0" or os.environ.get("UCX_HOME"):
+        return []
+    return [UCX_BUILD_REQUIREMENT]
+
+
 def get_requires_for_build_wheel(config_settings=None):
-    return _setuptools.get_requires_for_build_wheel(config_settings) + _cuda_requirements()
+    return _setuptools.get_requires_for_build_wheel(config_settings) + _cuda_requirements() + _ucx_requirements()
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _setuptools.get_requires_for_build_editable(config_settings) + _cuda_requirements()
+    return (_setuptools.get_requires_for_build_editable(config_settings) + _cuda_requirements()
+            + _ucx_requirements())

@@ -20,6 +20,7 @@ using namespace nvrar;
 
 namespace nvrar {
 void register_error_translator();  // bindings_common.cpp
+bool ucx_compiled();               // cpu/ucx.cpp
 }
 
 namespace {
@@ -85,6 +86,7 @@ PYBIND11_MODULE(_C, m) {
     for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32}) sizes[py::int_(static_cast<int>(t))] = dtype_size(t);
     m.attr("ELEMENT_SIZES") = sizes;
   }
+  m.attr("UCX_COMPILED") = ucx_compiled();
   g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
 
   py::class_<CpuExecutor>(m, "CpuExecutor")
@@ -114,6 +116,18 @@ PYBIND11_MODULE(_C, m) {
            py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"))
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
+      .def(
+          "open_hosts",
+          [](CpuExecutor& ex, const std::string& libucp, const std::vector<int>& host_of, const std::string& dev) {
+            return py::bytes(ex.open_hosts(libucp, host_of, dev));
+          },
+          py::arg("libucp"), py::arg("host_of"), py::arg("net_device"))
+      .def("connect_hosts", &CpuExecutor::connect_hosts, py::arg("blobs"))
+      .def("start_wireup", &CpuExecutor::start_wireup)
+      .def("wait_wired", &CpuExecutor::wait_wired, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("stop_wireup", &CpuExecutor::stop_wireup, py::call_guard<py::gil_scoped_release>())
+      .def("link_transports", &CpuExecutor::link_transports, py::arg("rank"))
+      .def("is_remote", &CpuExecutor::remote, py::arg("rank"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
       .def("probe_cma", &CpuExecutor::probe_cma)
       .def("enable_cma", &CpuExecutor::enable_cma, py::arg("on"))

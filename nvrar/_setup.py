@@ -1,5 +1,6 @@
 """Setting a Communicator up: the agreement of every rank on its settings (over the bootstrap),
-then the CPU executor (shared-memory segments) or the GPU executor (NVSHMEM).
+then the CPU executor (shared-memory segments inside a host, UCX between hosts) or the GPU
+executor (NVSHMEM).
 
 Every step that can fail on one rank alone exchanges its verdict before the next collective
 step, so that every rank raises at construction and none waits for another. Every executor
@@ -8,17 +9,22 @@ value is passed by keyword from nvrar.settings: the native executors have no def
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import logging
 import os
 import socket
+import struct
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import NvrarError
 from .settings import AGREED, SECRET_BYTES, Settings
 
-__all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device"]
+__all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device", "find_ucx", "route_device"]
+
+UCX_EXTRA = "pip install 'nvrar[ucx]'"
 
 _log = logging.getLogger("nvrar")
 
@@ -36,6 +42,7 @@ def exchange(boot: Any, settings: Optional[Settings], env_error: str, single_hos
         "secret": os.urandom(SECRET_BYTES).hex() if boot.rank == 0 else "",
     }
     infos = boot.allgather_json(mine, "settings")
+    boot.hosts = [str(i["host"]) for i in infos]  # for setup_cpu: which ranks share a host
     bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
     if bad:
         raise ValueError("Communicator: bad settings on " + "; ".join(f"rank {r}: {e}" for r, e in bad))
@@ -43,7 +50,9 @@ def exchange(boot: Any, settings: Optional[Settings], env_error: str, single_hos
 
 
 def agree(infos: Sequence[Dict[str, Any]], single_host: bool = True) -> int:
-    """Ranks per node, identical on every rank (every rank evaluates the same list)."""
+    """Ranks per node, identical on every rank (every rank evaluates the same list). Ranks may
+    span hosts on either device (the CPU executor reaches other hosts over UCX, setup_cpu);
+    ``single_host`` is kept for the callers' signature and no longer restricts anything."""
     W = len(infos)
     for key, name in AGREED.items():
         values = {json.dumps(i["settings"][key]) for i in infos}
@@ -51,11 +60,6 @@ def agree(infos: Sequence[Dict[str, Any]], single_host: bool = True) -> int:
             per_rank = ", ".join(f"rank {r}: {i['settings'][key]}" for r, i in enumerate(infos))
             raise ValueError(f"Communicator: ranks disagree on {name} ({per_rank}); pass the same value everywhere")
     hosts = [i["host"] for i in infos]
-    if single_host and len(set(hosts)) > 1:
-        raise NvrarError(
-            "Communicator: the CPU executor needs every rank on one host (shared memory), but ranks run on "
-            f"{sorted(set(hosts))}; multi-node runs need device='cuda'"
-        )
     G = infos[0]["settings"]["ranks_per_node"]
     if G is None:
         launcher = {i["launcher"] for i in infos}
@@ -79,31 +83,103 @@ def _raise_failed(statuses: Sequence[Dict[str, Any]]) -> None:
         raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
 
 
+def find_ucx() -> Tuple[str, str]:
+    """(path of libucp from the libucx-cu12 wheel, "") or ("", why not)."""
+    from . import _C
+
+    if not getattr(_C, "UCX_COMPILED", False):
+        return "", (f"this nvrar was built without UCX's headers; reinstall it ({UCX_EXTRA}, with the "
+                    "libucx-cu12 wheel in the build environment)")
+    try:
+        import libucx
+    except ImportError:
+        return "", f"UCX is not installed: {UCX_EXTRA}"
+    lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+    if not os.path.isfile(lib):
+        return "", f"the libucx wheel at {os.path.dirname(libucx.__file__)} has no lib/libucp.so.0: {UCX_EXTRA}"
+    try:
+        libucx.load_library()  # its libucs/libuct, loaded the way the wheel intends
+    except OSError as exc:
+        return "", f"UCX's libraries do not load ({exc}): {UCX_EXTRA}"
+    return lib, ""
+
+
+def _interface_of(ip: str) -> str:
+    """The network interface that holds address ``ip`` (IPv4), or ""."""
+    for _, name in socket.if_nameindex():
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = fcntl.ioctl(s.fileno(), 0x8915, req)  # SIOCGIFADDR
+        except OSError:
+            continue
+        if socket.inet_ntoa(array.array("B", addr[20:24]).tobytes()) == ip:
+            return name
+    return ""
+
+
+def route_device(host: Optional[str]) -> str:
+    """The interface this host reaches ``host`` (MASTER_ADDR) through, for UCX_NET_DEVICES, or ""
+    (then UCX picks among all devices)."""
+    if not host:
+        return ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))  # no packet is sent: the kernel picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        return ""
+    return _interface_of(local)
+
+
+def _host_indices(hosts: Sequence[str]) -> List[int]:
+    order: Dict[str, int] = {}
+    return [order.setdefault(h, len(order)) for h in hosts]
+
+
 def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: bytes) -> Any:
-    """The CPU executor, attached to every rank's segment (on failure: nothing left behind)."""
+    """The CPU executor, attached to every rank's segment on this host and, across hosts,
+    connected over UCX to the ranks of the others (on failure: nothing left behind)."""
     from . import _C
 
     if len(secret) != SECRET_BYTES:
         raise NvrarError(f"Communicator: rank 0 sent a session secret of {len(secret)} bytes, "
                          f"expected {SECRET_BYTES}")
-    # Creating the segment can fail on one rank alone (/dev/shm full): the verdicts travel
-    # with the names, so that every rank raises at construction and none waits for another.
+    hosts: List[str] = list(getattr(boot, "hosts", None) or [socket.gethostname()] * world)
+    host_of = _host_indices(hosts)
+    multi = len(set(host_of)) > 1
+    # Creating the segment can fail on one rank alone (/dev/shm full, UCX missing): the verdicts
+    # travel with the names, so that every rank raises at construction and none waits for another.
     ex = None
-    created = {"segment": "", "error": ""}
+    created = {"segment": "", "error": "", "link": ""}
+    libucp, why = find_ucx() if multi else ("", "")
+    if why:
+        created["error"] = (f"ranks run on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}) and the CPU "
+                            f"executor reaches other hosts over UCX, but {why}")
     try:
-        ex = _C.CpuExecutor(
-            rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
-            oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
-            jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
-            cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret)
-        created["segment"] = ex.segment_name
+        if not why:
+            ex = _C.CpuExecutor(
+                rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
+                oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
+                jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
+                cma_piece_bytes=st.cma_piece_bytes,
+                # LL packets never cross hosts (NOTE [put-with-signal across hosts], csrc/cpu/host_link.h)
+                ll_max_bytes=0 if multi else st.ll_max_bytes, secret=secret)
+            created["segment"] = ex.segment_name
+            if multi:
+                dev = route_device(os.environ.get("MASTER_ADDR"))
+                created["link"] = ex.open_hosts(libucp, host_of, dev).hex()
     except NvrarError as exc:
         created["error"] = str(exc)
     try:
         everyone = boot.allgather_json(created, "segment")
         _raise_failed(everyone)
         assert ex is not None
-        names = [s["segment"] for s in everyone]
+        mine = host_of[rank]
+        if multi:
+            _connect_hosts(boot, ex, [bytes.fromhex(s["link"]) if host_of[r] != mine else b""
+                                      for r, s in enumerate(everyone)], st.timeout_s)
+        names = [s["segment"] if host_of[r] == mine else "" for r, s in enumerate(everyone)]
         status = {"error": "", "cma": False}
         try:
             ex.attach(names)
@@ -123,6 +199,24 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
     return ex
 
 
+def _connect_hosts(boot: Any, ex: Any, blobs: List[bytes], timeout: float) -> None:
+    """Endpoints to the ranks of other hosts, connected before the first call (NOTE [wire-up],
+    csrc/cpu/ucx.cpp): a thread drives UCX until every rank passed the barrier behind it."""
+    status = {"error": ""}
+    try:
+        ex.connect_hosts(blobs)
+    except NvrarError as exc:
+        status["error"] = str(exc)
+    ex.start_wireup()
+    try:
+        if not status["error"]:
+            status["error"] = ex.wait_wired(timeout)
+        statuses = boot.allgather_json(status, "UCX wire-up")
+    finally:
+        ex.stop_wireup()
+    _raise_failed(statuses)
+
+
 def cuda_device(rank: int, G: int, count: int) -> int:
     """This rank's CUDA device: torch's current device when torch has set one up, else the
     launcher's local rank (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK), else rank mod G."""
@@ -137,28 +231,117 @@ def cuda_device(rank: int, G: int, count: int) -> int:
 
 
 def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[Any, int]:
-    """(the GPU executor, this rank's CUDA device)."""
+    """(the GPU executor, this rank's CUDA device). NVSHMEM is joined where this process has it
+    initialized already (nvshmem4py, by the user), else initialized through nvshmem4py where it
+    is installed, else by nvrar itself (docs/gpu/executor.md, "nvrar and nvshmem4py")."""
     from . import _gpu
 
     # Everything that can fail locally is checked, and the verdicts exchanged, before the
-    # collective NVSHMEM setup: a rank must not leave the others waiting in it.
+    # collective NVSHMEM setup: a rank must not leave the others waiting in it. No NVSHMEM call
+    # is made before a CUDA device is known to be there (without one, NVSHMEM ends the process).
     mod, err = _gpu.load()
-    status: Dict[str, Any] = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1}
+    status: Dict[str, Any] = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1, "mode": "",
+                              "by": ""}
+    core = None
     if mod is not None:
         n, why = mod.device_count()
         if n == 0:
             status["error"] = f"device='cuda' needs a CUDA device: {why}"
         else:
             status["device"] = cuda_device(rank, G, n)
+            core, _ = _gpu.nvshmem4py()
+            status.update(_nvshmem_mode(mod, core, rank, world))
     statuses = boot.allgather_json(status, "device status")
     _raise_failed(statuses)
+    _check_modes(statuses)
     assert mod is not None
-    uid = boot.allgather(mod.unique_id() if rank == 0 else b"")[0]
     device = int(status["device"])
-    ex = mod.GpuExecutor(
-        rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
-        oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
-        max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, uid=uid)
+    mode = status["mode"]
+    uid = b""
+    n4p_ref = False
+    if mode == "nvrar":
+        uid = boot.allgather(mod.unique_id() if rank == 0 else b"")[0]
+    elif mode == "nvshmem4py":
+        # NVSHMEM sizes its heap when nvshmem4py initializes it: nvrar's default first.
+        mod.set_symmetric_size_default(rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes,
+                                       pool_bytes=st.heap_bytes, oneshot_max_bytes=st.oneshot_max(G),
+                                       ll_max_bytes=st.ll_max_bytes, max_blocks=st.max_blocks)
+        uid = boot.allgather(_gpu.Nvshmem4pyInit.unique_id(core) if rank == 0 else b"")[0]
+        done = {"error": ""}
+        try:
+            _gpu.Nvshmem4pyInit.init(core, device, rank, world, uid)
+        except NvrarError as exc:
+            done["error"] = str(exc)
+        # A rank that initialized keeps NVSHMEM when another failed (finalizing would wait for it).
+        _raise_failed(boot.allgather_json(done, "nvshmem4py init status"))
+        n4p_ref = _gpu.Nvshmem4pyInit.acquire()
+        uid = b""
+    else:  # "join": over the NVSHMEM initialized in this process (by the user, or by an earlier communicator)
+        n4p_ref = _gpu.Nvshmem4pyInit.acquire()
+    try:
+        ex = mod.GpuExecutor(
+            rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
+            oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
+            max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, uid=uid)
+    except BaseException:
+        if n4p_ref:
+            _gpu.Nvshmem4pyInit.release(finalize=False)
+        raise
     for line in mod.env_set_by_nvrar():
         _log.info("nvrar: set %s (not set by the user)", line)
-    return ex, device
+    if mode != "nvrar":
+        _log.info("nvrar: NVSHMEM %s (%s)", "joined" if mode == "join" else "initialized through nvshmem4py",
+                  status["by"] or "nvshmem4py")
+    return _gpu.Executor(ex, n4p_ref), device
+
+
+def _nvshmem_mode(mod: Any, core: Any, rank: int, world: int) -> Dict[str, Any]:
+    """How this rank comes to NVSHMEM ("join", "nvshmem4py" or "nvrar") and what is wrong with it, if
+    anything: the same host library for nvrar and nvshmem4py, the PE numbering of an NVSHMEM in force."""
+    from . import _gpu
+
+    out: Dict[str, Any] = {"mode": "", "by": "", "error": ""}
+    if core is not None:
+        why = _gpu.library_mismatch(mod, core)
+        if why:
+            out["error"] = f"device='cuda': {why}"
+            return out
+    lib_status = mod.nvshmem_init_status()
+    n4p = core is not None and _gpu.nvshmem4py_initialized(core)
+    by = "nvshmem4py" if n4p else "another library in this process"
+    if _gpu.Nvshmem4pyInit.live:
+        by = "nvrar, through nvshmem4py"
+    if lib_status == 1:
+        out["error"] = (f"device='cuda': NVSHMEM in this process was bootstrapped but not initialized (status 1, by "
+                        f"{by}); nvrar does not complete it")
+    elif lib_status >= 2:
+        pe, npes = mod.nvshmem_pes()
+        out.update(mode="join", by=by)
+        bound = _gpu.nvshmem4py_device(core) if n4p else None
+        if bound is not None:
+            out["device"] = bound  # the device nvshmem4py's init bound NVSHMEM to, not nvrar's own choice
+        if (pe, npes) != (rank, world):
+            out["error"] = (f"device='cuda': NVSHMEM (initialized by {by}) runs this process as PE {pe} of {npes}, but "
+                            f"the communicator has it as rank {rank} of {world}; create the communicator over the "
+                            f"same processes in the same order as NVSHMEM's PEs")
+    elif n4p:
+        out["error"] = "device='cuda': nvshmem4py says it is initialized but NVSHMEM's status is 0 (not initialized)"
+    else:
+        out["mode"] = "nvshmem4py" if core is not None else "nvrar"
+    return out
+
+
+def _check_modes(statuses: Sequence[Dict[str, Any]]) -> None:
+    """Every rank must come to NVSHMEM the same way: all joining one in force, or all initializing
+    it, through nvshmem4py on every rank or on none."""
+    modes = [s["mode"] for s in statuses]
+    if len(set(modes)) <= 1:
+        return
+    by_mode: Dict[str, list] = {}
+    for r, m in enumerate(modes):
+        by_mode.setdefault(m, []).append(r)
+    words = {"join": "have NVSHMEM initialized already", "nvshmem4py": "would initialize it through nvshmem4py",
+             "nvrar": "would initialize it without nvshmem4py (not installed there)"}
+    raise NvrarError("Communicator(device='cuda'): the ranks do not come to NVSHMEM alike: " + "; ".join(
+        f"ranks {rs} {words.get(m, m)}" for m, rs in sorted(by_mode.items())) +
+        "; initialize NVSHMEM on every rank or on none, and install nvshmem4py on every rank or on none")

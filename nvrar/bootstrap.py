@@ -76,6 +76,9 @@ class Bootstrap:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        # Every rank's host name, once the settings exchange ran (nvrar._setup.exchange): the CPU
+        # executor reaches the ranks of other hosts over UCX.
+        self.hosts: Optional[List[str]] = None
 
     @property
     def launcher_local_size(self) -> Optional[int]:

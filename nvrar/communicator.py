@@ -131,8 +131,9 @@ class Communicator:
             self._timeout = st.timeout_s
             self._settings = st
             if device == "cpu":
-                # every rank of a CPU communicator runs on this host
-                cma_min = _config.cpu_cma_min_bytes(st, self._world, _cores(),
+                hosts = getattr(boot, "hosts", None)  # per rank, from the exchange
+                on_host = hosts.count(hosts[self._rank]) if hosts else self._world
+                cma_min = _config.cpu_cma_min_bytes(st, on_host, _cores(),
                                                     env.get_bytes("NVRAR_CMA_MIN_BYTES") is not None)
                 if cma_min != st.cma_min_bytes:
                     st = dataclasses.replace(st, cma_min_bytes=cma_min)

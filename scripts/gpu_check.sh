@@ -15,6 +15,8 @@
 #           a tiny CUDA client, the server list, the compute mode);
 #           CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / (most PEs sharing the GPU) so that NVSHMEM
 #           leaves its limited multi-process-per-GPU mode (the PEs' percentages must sum <= 100)
+#   wheels  nvshmem4py and what it needs that the machine lacks, installed offline from the wheels
+#           carried in .whl/ (scripts/fetch_gpu_wheels.sh), for tests/gpu/test_gpu_nvshmem4py.py
 #   build   the GPU executor for sm_90 only, 12 kernel units compiled in parallel, in place
 #           (python setup.py build_ext --inplace; no pip, no network: it uses the pybind11,
 #           setuptools and nvidia-nvshmem-cu13 installed there, so headers and library match)
@@ -54,11 +56,12 @@ LOG=$OUTDIR/gpu_check.log
 : >"$LOG"
 
 # Step deadlines (seconds). Their sum is the budget; at most 540 (a device command may run 600).
-T_SETUP=25 T_BUILD=150 T_INFO=15 T_TESTS=190 T_SWEEP=100 T_NETPATH=55
+T_SETUP=25 T_WHEELS=15 T_BUILD=130 T_INFO=15 T_TESTS=195 T_SWEEP=100 T_NETPATH=55
 PER_TEST_TIMEOUT=75      # pytest-timeout, per test (the launcher's own deadline is below it)
 LAUNCH_TIMEOUT=60        # tests/_launch.py: ranks still running are killed and reported
 MAX_PES=4                # most PEs sharing the GPU in any step (tests and sweep)
-BUDGET=$((T_SETUP + T_BUILD + T_INFO + T_TESTS + T_SWEEP + T_NETPATH))
+BUDGET=$((T_SETUP + T_WHEELS + T_BUILD + T_INFO + T_TESTS + T_SWEEP + T_NETPATH))
+WHEELS=$ROOT/.whl         # carried wheels (scripts/fetch_gpu_wheels.sh): nvshmem4py and its stack, libucx
 START=$(date +%s)
 PY=${PYTHON:-python3}
 sweep_args() {  # $1: the backends
@@ -183,6 +186,79 @@ build() {  # the GPU executor in place, sm_90 only, NVRAR_BUILD_JOBS compilers a
   "$PY" setup.py -q build_ext --inplace
 }
 
+# The carried wheels, checked for the GPU machine (Python 3.12, linux x86_64) without installing:
+# every wheel's tags fit it, every requirement of nvshmem4py's closure is carried or on the machine
+# already (numpy, nvidia-nvshmem-cu13), all of it fits the 64 MiB a device call carries, and pip
+# itself installs them from the folder alone (--no-index --dry-run for that interpreter).
+wheels_check() {  # $1: the folder
+  "$PY" - "$1" <<'PY' || return 1
+import email.parser, os, re, sys, zipfile
+try:
+    from packaging import markers, requirements, tags, utils
+except ImportError:
+    from pip._vendor.packaging import markers, requirements, tags, utils
+folder = sys.argv[1]
+ON_MACHINE = {"numpy", "nvidia-nvshmem-cu13"}  # the GPU machine's own (README.md of docs/gpu)
+env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
+       "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
+       "platform_python_implementation": "CPython", "extra": ""}
+ok_tags = set(tags.cpython_tags((3, 12), platforms=["manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                                    "manylinux2014_x86_64", "linux_x86_64"]))
+ok_tags |= set(tags.compatible_tags((3, 12), "cp312", ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                                          "manylinux2014_x86_64", "linux_x86_64"]))
+carried, reqs, total, bad = {}, [], 0, []
+for f in sorted(os.listdir(folder)):
+    if not f.endswith(".whl"):
+        continue
+    total += os.path.getsize(os.path.join(folder, f))
+    name, version, _, wtags = utils.parse_wheel_filename(f)
+    if not set(wtags) & ok_tags:
+        bad.append(f"{f}: no tag for CPython 3.12 on manylinux_2_28 x86_64")
+    carried[str(name)] = str(version)
+    with zipfile.ZipFile(os.path.join(folder, f)) as z:
+        meta = next(n for n in z.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n))
+        msg = email.parser.Parser().parsestr(z.read(meta).decode())
+    for r in msg.get_all("Requires-Dist") or []:
+        req = requirements.Requirement(r)
+        if req.marker is None or req.marker.evaluate(env):
+            reqs.append((f, req))
+for f, req in reqs:
+    name = utils.canonicalize_name(req.name)
+    if name in carried:
+        if not req.specifier.contains(carried[name], prereleases=True):
+            bad.append(f"{f} needs {req}, {name} {carried[name]} is carried")
+    elif name not in ON_MACHINE:
+        bad.append(f"{f} needs {req}: neither carried nor on the GPU machine")
+if "nvshmem4py-cu13" not in carried:
+    bad.append("no nvshmem4py-cu13 wheel")
+print(f"wheels: {len(carried)} carried, {total} bytes ({total / 2**20:.1f} MiB): "
+      + ", ".join(f"{k} {v}" for k, v in sorted(carried.items())))
+if total > 64 * 2**20:
+    bad.append(f"{total} bytes is over the 64 MiB a device call carries")
+for b in bad:
+    print("wheels:", b)
+sys.exit(1 if bad else 0)
+PY
+  local names
+  names=$(ls "$1"/*.whl | xargs -n1 basename | sed 's/-[0-9].*//' | tr '_' '-' | sort -u)
+  # shellcheck disable=SC2086
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip --isolated install --dry-run --no-index --find-links "$1" --no-deps --only-binary :all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --target "$(mktemp -d /tmp/gpu_check-wheels.XXXXXX)" $names
+}
+
+# On the GPU machine: nvshmem4py from the carried wheels, resolved against what is installed there.
+wheels_install() {  # $1: the folder
+  # the carried folder alone (--isolated: no PIP_* variables, no user configuration)
+  export PIP_CONFIG_FILE=/dev/null
+  "$PY" -m pip --isolated install --no-index --find-links "$1" --no-compile -q nvshmem4py-cu13 \
+    || "$PY" -m pip --isolated install --no-index --find-links "$1" --no-compile -q --break-system-packages \
+      nvshmem4py-cu13 \
+    || return 1
+  "$PY" -m pip check || echo "(pip check complains: see above; the tests say whether it matters)"
+  "$PY" -c "import nvshmem.core, nvrar._gpu as g; print('nvshmem4py', g.nvshmem4py_version(), 'imports')"
+}
+
 sweep_args_check() {  # the sweep's command line, parsed and validated as far as a machine without GPU can
   "$PY" - "$@" <<'PY'
 import sys
@@ -199,11 +275,11 @@ PY
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export PY ROOT T_NETPATH LAUNCH_TIMEOUT
-export -f build sweep_args_check nvshmem_env netpath_env
+export -f build sweep_args_check nvshmem_env netpath_env wheels_check wheels_install
 
 # --- dry run ------------------------------------------------------------------------------------
 if [ $DRY -eq 1 ]; then
-  section "dry run (no GPU needed): budget $BUDGET s = setup $T_SETUP + build $T_BUILD + info $T_INFO + tests $T_TESTS + sweep $T_SWEEP + netpath $T_NETPATH"
+  section "dry run (no GPU needed): budget $BUDGET s = setup $T_SETUP + wheels $T_WHEELS + build $T_BUILD + info $T_INFO + tests $T_TESTS + sweep $T_SWEEP + netpath $T_NETPATH"
   [ $BUDGET -le 540 ] || { note "budget $BUDGET s is over 540 s"; status=1; }
   ( nvshmem_env; mps_env; test_env reduced; env | grep -E '^(NVSHMEM_|CUDA_MPS_|NVRAR_GPU_)' | sort ) \
     || { note "environment functions failed"; status=1; }
@@ -216,6 +292,12 @@ if [ $DRY -eq 1 ]; then
     run_step build "$T_BUILD" build && note "build: OK" || { note "build: FAILED"; status=1; }
   else
     note "build: no nvcc here, not checked"
+  fi
+  if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    run_step wheels 60 wheels_check "$WHEELS" && note "wheels: install offline for Python 3.12 ($WHEELS)" \
+      || { note "wheels: FAILED the offline install check ($WHEELS)"; status=1; }
+  else
+    note "wheels: none carried in $WHEELS (scripts/fetch_gpu_wheels.sh fetches them), not checked"
   fi
   run_step collect 60 "$PY" -m pytest tests/gpu --collect-only -q -p no:cacheprovider \
     && note "tests/gpu: collected" || { note "tests/gpu: collection FAILED"; status=1; }
@@ -233,7 +315,8 @@ import importlib.metadata as md
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu",
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-for name in ("nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "cupy-cuda13x", "pytest-timeout", "pybind11", "setuptools"):
+for name in ("nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "cupy-cuda13x", "pytest-timeout", "pybind11", "setuptools",
+             "nvshmem4py-cu13", "cuda-core", "cuda-bindings", "cuda-pathfinder"):
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
@@ -250,6 +333,15 @@ else
   note "MPS: NOT available: PEs time-slice the GPU; tests run a minimal set at minimal load, NVSHMEM's reduce is skipped in the sweep"
 fi
 echo "[setup: $(($(date +%s) - mps_t0)) s]"
+
+section "wheels (nvshmem4py, offline from $WHEELS)"
+if ls "$WHEELS"/nvshmem4py_cu13-*.whl >/dev/null 2>&1; then
+  run_step wheels "$T_WHEELS" wheels_install "$WHEELS" && note "wheels: nvshmem4py installed" \
+    || { note "wheels: nvshmem4py did NOT install (its GPU tests fail)"; status=1; }
+else
+  note "wheels: no nvshmem4py wheel carried in $WHEELS (scripts/fetch_gpu_wheels.sh): its GPU tests fail"
+  status=1
+fi
 
 section "build (sm_${NVRAR_CUDA_ARCHS:-90}, $(nproc) parallel jobs)"
 if run_step build "$T_BUILD" build; then
@@ -273,7 +365,7 @@ if [ $MPS -eq 1 ]; then
   sel=()
 else
   test_env minimal
-  sel=(-k "W2G1 or W4G2 or graph or timeout")
+  sel=(-k "W2G1 or W4G2 or graph or timeout or nvshmem4py")
   echo "without MPS: only $(printf '%s ' "${sel[@]}")"
 fi
 run_step tests "$T_TESTS" "$PY" -m pytest tests/gpu -v -rA --maxfail=3 -p no:cacheprovider --timeout="$PER_TEST_TIMEOUT" \

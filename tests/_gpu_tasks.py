@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import torch
 
 import nvrar
@@ -165,5 +166,146 @@ def task_gpu_fused(args: dict) -> dict:
             "digest": digest.hexdigest()}
 
 
+# -- nvshmem4py (tests/test_nvshmem4py.py without a GPU, tests/gpu/test_nvshmem4py.py with one) ----------
+
+def task_gpu_n4p_no_gpu(args: dict) -> dict:
+    """A host without a GPU, nvshmem4py imported first: Communicator(device="cuda") must raise
+    NvrarError on every rank without initializing NVSHMEM, and the process goes on."""
+    import nvshmem.core as core
+
+    from nvrar import _gpu
+
+    out: dict = {"raised": None, "message": ""}
+    try:
+        nvrar.Communicator(device="cuda", timeout=30)
+    except Exception as exc:  # noqa: BLE001 - the test checks the type
+        out.update(raised=type(exc).__name__, message=str(exc))
+    _gpu.nvshmem4py_library(core)  # nvshmem4py's bindings need its host library loaded (cuda.pathfinder)
+    out["status_after"] = int(core.init_status())
+    out["n4p_initialized"] = _gpu.nvshmem4py_initialized(core)
+    with nvrar.Communicator(timeout=30) as comm:
+        x = np.full(8, comm.rank + 1.0, np.float32)
+        comm.all_reduce(x)
+        out["cpu_sum"] = float(x[0])
+    return out
+
+
+def _n4p_uid_init(core, rank: int, world: int) -> None:
+    """The user's side: nvshmem4py initialized with a unique id exchanged over torch.distributed
+    (gloo), the way an application built on nvshmem4py does it, before any nvrar call."""
+    import ctypes
+
+    import torch.distributed as dist
+    from cuda.core import Device
+
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+    uid = core.get_unique_id() if rank == 0 else core.get_unique_id(empty=True)
+    box = [ctypes.string_at(uid.ptr, uid._data.nbytes) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    ctypes.memmove(uid.ptr, box[0], len(box[0]))
+    dev = Device(torch.cuda.current_device())
+    dev.set_current()
+    core.init(device=dev, uid=uid, rank=rank, nranks=world, initializer_method="uid")
+
+
+def _n4p_checks(comm: nvrar.Communicator, core, tensors: dict) -> dict:
+    """all_reduce on each named tensor (nvshmem4py tensors, comm.empty(), ordinary torch memory;
+    the kinds may differ per rank), each checked exactly, plus what nvrar says of its zero-copy."""
+    rank, world = comm.rank, comm.world_size
+    expect = float(sum(range(1, world + 1)))
+    out: dict = {"failures": [], "symmetric": {}, "below_segment": {}}
+    for name, t in tensors.items():
+        t.fill_(rank + 1.0)
+        out["symmetric"][name] = bool(comm._ex.symmetric(t.data_ptr(), t.numel() * t.element_size()))
+        out["below_segment"][name] = t.data_ptr() < comm._ex.pool_address
+        for algorithm in ("one-shot", "two-shot"):
+            t.fill_(rank + 1.0)
+            comm.all_reduce(t, algorithm=algorithm)
+            torch.cuda.synchronize()
+            got = t.float().cpu()
+            if not bool((got == expect).all()):
+                out["failures"].append(f"{name} {algorithm}: {got[:4].tolist()} != {expect}")
+    comm.check()
+    return out
+
+
+def _n4p_calls_work(core, rank: int, world: int, n: int = 1024) -> dict:
+    """nvshmem4py calls after nvrar's: a tensor, a put to the next PE on the stream, barrier_all
+    (allowed in every multi-process-per-GPU mode), and the reduce where NVSHMEM allows collectives."""
+    t = core.tensor((n,), dtype=torch.float32)
+    src = core.tensor((n,), dtype=torch.float32)
+    stream = core.NvshmemStream(torch.cuda.current_stream())
+    src.fill_(float(rank))
+    t.fill_(-1.0)
+    core.barrier_all(stream=stream)
+    core.put(t, src, remote_pe=(rank + 1) % world, stream=stream)
+    core.barrier_all(stream=stream)
+    torch.cuda.synchronize()
+    got = float(t[0].item())
+    out = {"put_ok": got == float((rank - 1) % world), "put_got": got, "reduce_ok": None}
+    if int(core.init_status()) != 3:  # NVSHMEM_STATUS_LIMITED_MPG forbids collectives
+        src.fill_(1.0)
+        core.reduce(core.Teams.TEAM_WORLD, t, src, "sum", stream=stream)
+        torch.cuda.synchronize()
+        out["reduce_ok"] = bool((t == float(world)).all())
+    core.free_tensor(t)
+    core.free_tensor(src)
+    return out
+
+
+def task_gpu_n4p_join(args: dict) -> dict:
+    """nvshmem4py first (the user's init), then nvrar joins it: checks, one more reference; then
+    zero-copy on nvshmem4py tensors allocated before (below nvrar's segment) and after it, mixed
+    kinds per rank; the user's nvshmem4py calls work; close() leaves the user's NVSHMEM up."""
+    import nvshmem.core as core
+
+    torch.cuda.set_device(int(os.environ.get("NVRAR_TEST_GPU", "0")))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _n4p_uid_init(core, rank, world)
+    n = args.get("count", 40000)
+    before = core.tensor((n,), dtype=torch.float32)  # allocated before nvrar's segment
+    comm = nvrar.Communicator(device="cuda", ranks_per_node=args["G"], timeout=120)
+    after = core.tensor((n,), dtype=torch.float32)
+    tensors = {"n4p_before": before, "n4p_after": after, "empty": comm.empty(n, torch.float32),
+               "ordinary": torch.empty(n, device="cuda"),
+               # buffer kinds differ per rank: even ranks reduce an nvshmem4py tensor, odd ones torch memory
+               "mixed": after if rank % 2 == 0 else torch.empty(n, device="cuda")}
+    out = _n4p_checks(comm, core, tensors)
+    out["calls"] = _n4p_calls_work(core, rank, world)
+    comm.close()
+    out["status_after_close"] = int(core.init_status())
+    out["calls_after_close"] = _n4p_calls_work(core, rank, world)
+    core.free_tensor(before)
+    core.free_tensor(after)
+    core.finalize()
+    return out
+
+
+def task_gpu_n4p_init(args: dict) -> dict:
+    """nvrar first: with nvshmem4py installed, nvrar initializes NVSHMEM through it, so that the
+    user's nvshmem4py calls work afterwards; a second communicator joins; the last close()
+    finalizes nvshmem4py's initialization too."""
+    import nvshmem.core as core
+
+    from nvrar import _gpu
+
+    comm = _comm(args)
+    rank, world = comm.rank, comm.world_size
+    out: dict = {"n4p_initialized": _gpu.nvshmem4py_initialized(core), "status": int(core.init_status())}
+    n = args.get("count", 40000)
+    t = core.tensor((n,), dtype=torch.float32)  # refused ("not initialized") before this change
+    second = _comm(args)
+    out.update(_n4p_checks(second, core, {"n4p": t, "empty_of_first": comm.empty(n, torch.float32)}))
+    out["calls"] = _n4p_calls_work(core, rank, world)
+    core.free_tensor(t)
+    second.close()
+    out["status_after_first_close"] = int(core.init_status())
+    comm.close()
+    out["status_after_last_close"] = int(core.init_status())
+    out["n4p_initialized_after"] = _gpu.nvshmem4py_initialized(core)
+    return out
+
+
 TASKS = {"gpu_matrix": task_gpu_matrix, "gpu_graph": task_gpu_graph, "gpu_timeout": task_gpu_timeout,
-         "gpu_cupy": task_gpu_cupy, "gpu_fused": task_gpu_fused}
+         "gpu_cupy": task_gpu_cupy, "gpu_fused": task_gpu_fused, "gpu_n4p_no_gpu": task_gpu_n4p_no_gpu,
+         "gpu_n4p_join": task_gpu_n4p_join, "gpu_n4p_init": task_gpu_n4p_init}

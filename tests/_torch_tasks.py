@@ -425,11 +425,13 @@ def task_patch_dtensor(args: dict) -> dict:
 
 
 def task_hosts(args: dict) -> dict:
-    """Ranks on two hosts (the upper half in a UTS namespace of its own, with another hostname):
-    the CPU executor cannot serve the world group, so every rank falls back to gloo for it; the
-    sub-group of each host is served by nvrar."""
+    """Ranks on two hosts (the upper half in a UTS namespace of its own, with another hostname).
+    Without UCX (hidden from the import) the CPU executor cannot serve the world group: every rank
+    falls back to gloo with a warning naming nvrar[ucx]. With UCX a group over all ranks is served
+    by nvrar, hierarchically (a node per host), and so is the sub-group of each host."""
     import ctypes
     import socket
+    import sys
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank >= world // 2:
@@ -443,13 +445,20 @@ def task_hosts(args: dict) -> dict:
     res = {"host": socket.gethostname()}
     subs = [dist.new_group(list(range(world // 2))), dist.new_group(list(range(world // 2, world)))]
     mine = subs[rank // (world // 2)]
+    sys.modules["libucx"] = None  # type: ignore[assignment]  # `import libucx` fails: UCX "not installed"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t = torch.ones(100)
         dist.all_reduce(t)
+    del sys.modules["libucx"]
     res["world_value"] = bool(torch.all(t == world))
     res["world_stats"] = nt.stats()
-    res["warned"] = any("cannot serve" in str(w.message) for w in caught)
+    res["warned"] = any("cannot serve" in str(w.message) and "nvrar[ucx]" in str(w.message) for w in caught)
+    across = dist.new_group(list(range(world)))
+    t = torch.arange(1000.0) + rank
+    dist.all_reduce(t, group=across)
+    res["across_value"] = bool(torch.equal(t, torch.arange(1000.0) * world + world * (world - 1) // 2))
+    res["across_stats"] = nt.stats(across)
     t = torch.ones(100)
     dist.all_reduce(t, group=mine)
     res["sub_value"] = bool(torch.all(t == world // 2))

@@ -402,6 +402,10 @@ def main() -> int:
         import _det_tasks
 
         TASKS.update(_det_tasks.TASKS)
+    elif task not in TASKS and task.startswith("hosts_"):
+        import _hosts_tasks
+
+        TASKS.update(_hosts_tasks.TASKS)
     elif task not in TASKS and task.startswith("gpu_"):
         import _gpu_tasks
 

@@ -224,11 +224,15 @@ def test_patch_routes_dtensor_and_functional_collectives():
         assert rep["after_exit_delta"] == 0
 
 
-def test_group_across_hosts_falls_back_on_every_rank_and_host_subgroups_use_nvrar():
+def test_group_across_hosts_served_by_nvrar_and_without_ucx_falls_back_naming_the_extra():
+    pytest.importorskip("libucx", reason="UCX is not installed (pip install 'nvrar[ucx]')")
     reports = assert_all_ok(launch(4, "hosts", {}, env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=300))
     if any("skip" in r for r in reports):
         pytest.skip(next(r["skip"] for r in reports if "skip" in r))
     assert len({r["host"] for r in reports}) == 2
     for rep in reports:
+        # Without UCX: gloo serves the group across hosts, on every rank, with the warning.
         assert rep["world_value"] and rep["world_stats"] == {"nvrar": 0, "native": 1} and rep["warned"], rep
+        # With UCX: nvrar serves it (2 hosts x 2 ranks), and each host's sub-group.
+        assert rep["across_value"] and rep["across_stats"] == {"nvrar": 1, "native": 0}, rep
         assert rep["sub_value"] and rep["sub_stats"] == {"nvrar": 1, "native": 0}, rep

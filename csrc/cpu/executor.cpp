@@ -1,6 +1,7 @@
 #include "executor.h"
 #include "segment.h"
 #include "transport.h"
+#include "ucx.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -133,6 +134,7 @@ void CpuExecutor::close() {
   if (!heap_.in_creator()) return;
   mark_closed();
   std::lock_guard<std::mutex> lock(busy_);
+  link_.reset();  // UCX lets go of the segment before it is unmapped
   heap_.release();
 }
 
@@ -143,8 +145,94 @@ void CpuExecutor::mark_closed() {
   if (char* mine = heap_.mine()) store_release(&reinterpret_cast<SegmentHeader*>(mine)->closed, 1);
 }
 
+std::string CpuExecutor::open_hosts(const std::string& libucp, const std::vector<int>& host_of,
+                                    const std::string& net_device) {
+  NVRAR_CHECK(static_cast<int>(host_of.size()) == cfg_.world, "open_hosts: ", host_of.size(), " host indices for ",
+              cfg_.world, " ranks");
+  NVRAR_CHECK(link_ == nullptr && !heap_.attached(), "open_hosts: called twice, or after attach");
+  std::vector<bool> remote(static_cast<size_t>(cfg_.world));
+  for (int r = 0; r < cfg_.world; ++r) {
+    remote[static_cast<size_t>(r)] = host_of[static_cast<size_t>(r)] != host_of[static_cast<size_t>(cfg_.rank)];
+    // A node lies within one host: its phases run through shared memory.
+    NVRAR_CHECK(!(remote[static_cast<size_t>(r)] && r / where_.G == where_.node), "nvrar: rank ", r,
+                " is in rank ", cfg_.rank, "'s node but on another host; ranks_per_node must divide the ranks of a host");
+  }
+  NVRAR_CHECK(cfg_.ll_max_bytes == 0, "nvrar: LL packets never cross hosts: ll_max_bytes must be 0 across hosts");
+  std::string blob;
+  link_ = open_ucx_link(libucp, cfg_.rank, remote, heap_.mine(), layout_.total_bytes, net_device,
+                        RemoteWriteCheck{&CpuExecutor::accept_remote_write, this}, &blob);
+  remote_ = remote;
+  return std::string(heap_.mine(), sizeof(SegmentHeader)) + blob;
+}
+
+void CpuExecutor::connect_hosts(const std::vector<std::string>& blobs) {
+  NVRAR_CHECK(link_ != nullptr, "connect_hosts: open_hosts first");
+  NVRAR_CHECK(static_cast<int>(blobs.size()) == cfg_.world, "connect_hosts: ", blobs.size(), " blobs for ",
+              cfg_.world, " ranks");
+  std::vector<std::string> addresses(blobs.size());
+  images_.assign(blobs.size(), {});
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (!remote(r)) continue;
+    const std::string& b = blobs[static_cast<size_t>(r)];
+    NVRAR_CHECK(b.size() > sizeof(SegmentHeader), "nvrar: rank ", cfg_.rank, ": rank ", r,
+                " sent no segment header across hosts");
+    auto& img = images_[static_cast<size_t>(r)];
+    img.assign(layout_.staging_off / sizeof(uint64_t) + 1, 0);  // its header and cells
+    std::memcpy(img.data(), b.data(), sizeof(SegmentHeader));
+    addresses[static_cast<size_t>(r)] = b.substr(sizeof(SegmentHeader));
+  }
+  link_->connect(addresses);
+}
+
+void CpuExecutor::start_wireup() {
+  if (link_ != nullptr) link_->start_wireup();
+}
+std::string CpuExecutor::wait_wired(double timeout_s) {
+  return link_ != nullptr ? link_->wait_wired(timeout_s) : std::string();
+}
+void CpuExecutor::stop_wireup() {
+  if (link_ != nullptr) link_->stop_wireup();
+}
+std::string CpuExecutor::link_transports(int rank) {
+  NVRAR_CHECK(rank >= 0 && rank < cfg_.world, "link_transports: no rank ", rank);
+  return link_ != nullptr && remote(rank) ? link_->transports(rank) : std::string();
+}
+
+void CpuExecutor::post_remote_aborts() {
+  if (link_ == nullptr) return;
+  for (int r = 0; r < cfg_.world; ++r)
+    if (remote(r)) link_->post_cell(r, layout_.abort_cell(), heap_.base(r) + layout_.abort_cell(), 0.1);
+}
+
+bool CpuExecutor::accept_remote_write(void* self, size_t dst_off, size_t bytes, size_t cell_off) {
+  const auto* ex = static_cast<const CpuExecutor*>(self);
+  const SegmentLayout& L = ex->layout_;
+  if (cell_off == L.abort_cell()) return bytes == 0;
+  for (int p = 0; p < 2; ++p)
+    for (int slot = 0; slot < L.S; ++slot)
+      if (cell_off == L.inter_cell(p, slot))
+        return bytes == 0 || (dst_off == L.zone(p, slot) && bytes <= L.zone_slice_bytes);
+  return false;
+}
+
+int CpuExecutor::inter_step_of(size_t cell) const {
+  const InterSchedule sched = InterSchedule::make(where_.N, where_.node);
+  for (int i = 0; i < sched.num_steps(); ++i) {
+    const InterStep st = sched.step(i);
+    if (st.send && (layout_.inter_cell(0, st.slot) == cell || layout_.inter_cell(1, st.slot) == cell)) return i;
+  }
+  return -1;
+}
+
 void CpuExecutor::attach(const std::vector<std::string>& names) {
+  NVRAR_CHECK(static_cast<int>(names.size()) == cfg_.world, "attach: ", names.size(), " names for ", cfg_.world,
+              " ranks");
+  for (int r = 0; r < cfg_.world; ++r)
+    NVRAR_CHECK(names[static_cast<size_t>(r)].empty() == remote(r), "nvrar: rank ", cfg_.rank, ": rank ", r,
+                remote(r) ? " is on another host but sent a segment name" : " sent no segment name");
   heap_.attach(names);
+  for (int r = 0; r < cfg_.world; ++r)
+    if (remote(r)) heap_.set_image(r, reinterpret_cast<char*>(images_[static_cast<size_t>(r)].data()));
   const auto* mine = reinterpret_cast<const SegmentHeader*>(heap_.mine());
   for (int r = 0; r < cfg_.world; ++r) {
     const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(r));
@@ -161,14 +249,14 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
                 " was created with a different configuration (ranks_per_node ", h->ranks_per_node, " vs ",
                 cfg_.ranks_per_node, ", or max_bytes / heap size / one-shot threshold differ); every rank must "
                 "use the same settings");
-    if (r != cfg_.rank) peer_start_times_[static_cast<size_t>(r)] = owner_start_time(h);
+    if (r != cfg_.rank && !remote(r)) peer_start_times_[static_cast<size_t>(r)] = owner_start_time(h);
   }
 }
 
 bool CpuExecutor::probe_cma() const {
   if (!cfg_.cma) return false;
   for (int r = 0; r < cfg_.world; ++r) {
-    if (r == cfg_.rank) continue;
+    if (r == cfg_.rank || remote(r)) continue;  // (cross-memory access never leaves a node)
     const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(r));
     uint64_t magic = 0;
     struct iovec local = {&magic, sizeof(magic)};
@@ -513,6 +601,7 @@ std::string CpuExecutor::describe_call(uint64_t count, uint64_t code, uint64_t s
 }
 
 bool CpuExecutor::peer_alive(int peer) const {
+  if (remote(peer)) return !link_->peer_failed(peer);  // UCX's peer error handling (NOTE [put-with-signal across hosts])
   return owner_alive(reinterpret_cast<const SegmentHeader*>(heap_.base(peer)),
                      peer_start_times_[static_cast<size_t>(peer)]);
 }
@@ -532,6 +621,7 @@ void CpuExecutor::fail(ProtocolError::Kind kind, const std::string& what, const 
     store_relaxed(&c->aux0, static_cast<uint64_t>(cfg_.rank) | (static_cast<uint64_t>(kind) << 32));
     store_release(&c->word, flag_word(epoch, 1));
   }
+  post_remote_aborts();
   quiesce(epoch);
   throw ProtocolError(kind, msg, cfg_.rank, site.peer, site.phase, site.step, epoch, observed);
 }
@@ -546,6 +636,7 @@ void CpuExecutor::fail_from_abort(const Site& site, uint64_t epoch) {
   if (origin >= 0 && origin < cfg_.world) {
     const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(origin));
     text.assign(h->error_text, strnlen(h->error_text, sizeof(h->error_text)));
+    if (remote(origin)) text = "(on another host: see rank " + std::to_string(origin) + "'s own error)";
   }
   if (kind != ProtocolError::Kind::kTimeout && kind != ProtocolError::Kind::kMismatch) kind = ProtocolError::Kind::kPeerAbort;
   std::ostringstream os;
@@ -562,6 +653,7 @@ void CpuExecutor::fail_from_abort(const Site& site, uint64_t epoch) {
     store_relaxed(&pc->aux0, aux);
     store_release(&pc->word, word);
   }
+  post_remote_aborts();
   quiesce(epoch);
   throw ProtocolError(kind, failure_, cfg_.rank, site.peer, site.phase, site.step, epoch, 0);
 }

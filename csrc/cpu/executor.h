@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -21,6 +22,8 @@
 #include "shm_heap.h"
 
 namespace nvrar {
+
+class HostLink;  // csrc/cpu/host_link.h
 
 // Every field is set by the caller: the defaults live in one place, Python's settings object
 // (nvrar/settings.py), which passes each of them to the binding. Zero here means "not set" and
@@ -60,7 +63,18 @@ class CpuExecutor {
   ~CpuExecutor();
 
   // Bootstrap steps (see shm_heap.h): exchange segment_name(), attach(names), barrier, unlink().
+  // Across hosts (NOTE [put-with-signal across hosts], transport.h), before attach: open_hosts
+  // (host_of[r]: rank r's host index; returns my blob: header and UCX address), exchange the
+  // blobs, connect_hosts(blobs), start_wireup(), wait_wired(), a barrier, stop_wireup(); the
+  // names of ranks on other hosts are "" in attach.
   const std::string& segment_name() const { return heap_.name(); }
+  std::string open_hosts(const std::string& libucp, const std::vector<int>& host_of, const std::string& net_device);
+  void connect_hosts(const std::vector<std::string>& blobs);
+  void start_wireup();
+  std::string wait_wired(double timeout_s);
+  void stop_wireup();
+  std::string link_transports(int rank);
+  bool remote(int rank) const { return !remote_.empty() && remote_[static_cast<size_t>(rank)]; }
   void attach(const std::vector<std::string>& names);
   void unlink_segment() { heap_.unlink(); }
   // Whether this rank can write into every peer's private memory (process_vm_writev). Every rank
@@ -127,6 +141,13 @@ class CpuExecutor {
   [[noreturn]] void fail_from_abort(const Site& site, uint64_t epoch);
   void quiesce(uint64_t epoch);
   bool peer_alive(int peer) const;
+  // Across hosts: the abort records just stored into the images of remote ranks' cells, sent.
+  void post_remote_aborts();
+  // The inter-node step whose put carries the flag of `cell` (for error messages).
+  int inter_step_of(size_t cell) const;
+  // Whether a message from another host may write [dst_off, dst_off + bytes) and the cell at
+  // cell_off of my segment: an inter-node zone and its step's cell, or the abort cell alone.
+  static bool accept_remote_write(void* self, size_t dst_off, size_t bytes, size_t cell_off);
   // "all_reduce(count=..., dtype=..., op=..., algorithm=...)" (or the fused call's, with h and eps) from a
   // call description (count, code, shape).
   static std::string describe_call(uint64_t count, uint64_t code, uint64_t shape);
@@ -193,6 +214,11 @@ class CpuExecutor {
   std::vector<uint64_t> adv_out_;           // per local rank: private output address it advertised (cma), or 0
   std::vector<uint64_t> adv_bytes_;         // per local rank: bytes of the round it advertised
   std::vector<char> fused_scratch_;         // one-shot sums of the fused call
+  // Across hosts: the link (null on one host), which ranks it reaches, and per remote rank the
+  // local image of its header and cells (base(r) of a remote rank points there).
+  std::unique_ptr<HostLink> link_;
+  std::vector<bool> remote_;
+  std::vector<std::vector<uint64_t>> images_;
 };
 
 }  // namespace nvrar

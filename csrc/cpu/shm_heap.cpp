@@ -161,7 +161,8 @@ std::string mib(unsigned long long bytes) {
 
 ShmHeap::ShmHeap(int rank, int world, size_t bytes)
     : rank_(rank), world_(world), bytes_(bytes), creator_pid_(getpid()),
-      bases_(static_cast<size_t>(world), nullptr) {
+      bases_(static_cast<size_t>(world), nullptr),
+      images_(static_cast<size_t>(world), false) {
   NVRAR_CHECK(rank >= 0 && rank < world, "ShmHeap: rank ", rank, " out of range for world ", world);
   sweep_orphans();  // first: their space counts against the reservation below
   int fd = -1;
@@ -224,7 +225,7 @@ void ShmHeap::attach(const std::vector<std::string>& names) {
               " segment names for a world of ", world_);
   NVRAR_CHECK(names[rank_] == name_, "ShmHeap::attach: rank ", rank_, " found another name at its own index");
   for (int r = 0; r < world_; ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || names[r].empty()) continue;  // empty: on another host (set_image)
     NameFields f;
     NVRAR_CHECK(names[r].size() > 1 && names[r][0] == '/' && parse_name(names[r].substr(1), &f), "rank ", rank_,
                 ": rank ", r, "'s segment name '", names[r].substr(0, 80), "' is not an nvrar segment name");
@@ -275,11 +276,10 @@ void ShmHeap::unlink() {
 
 void ShmHeap::release() {
   if (!in_creator()) return;  // a forked child: the mappings are the creator's to drop (exit frees them)
-  for (auto& b : bases_) {
-    if (b != nullptr) {
-      munmap(b, bytes_);
-      b = nullptr;
-    }
+  for (size_t r = 0; r < bases_.size(); ++r) {
+    if (bases_[r] != nullptr && !images_[r]) munmap(bases_[r], bytes_);
+    bases_[r] = nullptr;
+    images_[r] = false;
   }
   attached_ = false;
 }

@@ -45,8 +45,15 @@ class ShmHeap {
   pid_t creator_pid() const { return creator_pid_; }
   bool in_creator() const;
 
-  // Map every peer's segment; names[r] is rank r's name (mine is checked, not re-mapped).
+  // Map every peer's segment; names[r] is rank r's name (mine is checked, not re-mapped). An
+  // empty name: rank r is on another host; its base is set with set_image.
   void attach(const std::vector<std::string>& names);
+  // base(r) of a rank on another host: a local image of its header and cells (not mapped here,
+  // never unmapped by release).
+  void set_image(int r, char* p) {
+    bases_[static_cast<size_t>(r)] = p;
+    images_[static_cast<size_t>(r)] = true;
+  }
   void unlink();
   bool attached() const { return attached_; }
 
@@ -65,6 +72,7 @@ class ShmHeap {
   bool linked_ = false;
   bool attached_ = false;
   std::vector<char*> bases_;
+  std::vector<bool> images_;
 };
 
 }  // namespace nvrar

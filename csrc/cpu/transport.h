@@ -4,7 +4,8 @@
 //   inside a host   shared memory: every rank on the host maps every other's segment (shm_heap.h);
 //                   flags are stores into the peer's cells (segment.h), data is memcpy, private
 //                   buffers of local peers are reached with process_vm_readv/writev
-//   between hosts   (not yet: every rank on one host)
+//   between hosts   put-with-signal over the executor's HostLink (host_link.h, UCX active messages
+//                   in ucx.cpp): only inter-node steps cross hosts, only to ranks of other hosts
 //
 // Methods are inline: the round is a template over its transport, and the shared-memory path is
 // the latency-critical one. The transport calls the executor's waits (signal, wait, wait_ll,
@@ -19,6 +20,7 @@
 #include "../protocol/ll.h"
 #include "../protocol/phase.h"
 #include "executor.h"
+#include "host_link.h"
 #include "segment.h"
 
 namespace nvrar {
@@ -38,20 +40,47 @@ struct CpuTransport {
     ex->signal(rank, cell, word, aux0, aux1);
   }
   bool wait(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, uint64_t* aux0, uint64_t* aux1) {
-    const auto aux = ex->wait(cell, e, sig, CpuExecutor::Site{phase, step, peer});
+    const CpuExecutor::Site site{phase, step, peer};
+    if (ex->link_ != nullptr) {
+      // Across hosts every wait drives the worker: a peer's puts land only inside my progress.
+      const auto* c = reinterpret_cast<const Cell*>(my() + cell);
+      const uint64_t target = flag_word(e, 0);
+      HostLink* link = ex->link_.get();
+      ex->spin_until([&] { link->progress(); return load_acquire(&c->word) >= target || link->refused() != 0; },
+                     [&] { return flag_epoch(load_relaxed(&c->word)); }, site, e);
+      if (link->refused() != 0)
+        ex->fail(ProtocolError::Kind::kViolation,
+                 "protocol violation: a message from another host named a place outside the inter-node zones and "
+                 "cells of this rank's segment (refused)", site, e, 0);
+    }
+    const auto aux = ex->wait(cell, e, sig, site);
     *aux0 = aux.first;
     *aux1 = aux.second;
     return true;
   }
   bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
+    if (ex->remote(rank)) return remote_put_signal(rank, dst_off, src, bytes, cell, word);
     std::memcpy(base(rank) + dst_off, src, bytes);
     ex->signal(rank, cell, word, 0, 0);
+    return true;
+  }
+  // NOTE [put-with-signal across hosts]. base(rank) is the local image of the remote rank's
+  // header and cells (CpuExecutor::attach): the cell is composed there by the executor's signal.
+  bool remote_put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
+    HostLink* link = ex->link_.get();
+    ex->signal(rank, cell, word, 0, 0);
+    const CpuExecutor::Site site{Phase::kInterNode, ex->inter_step_of(cell), rank};
+    if (!link->put_signal(rank, dst_off, src, bytes, cell, base(rank) + cell))
+      ex->fail(ProtocolError::Kind::kTimeout, "cannot reach the peer's host: " + link->peer_error(rank), site, epoch,
+               0);
+    if (!link->progress()) ex->spin_until([&] { return link->progress(); }, [] { return uint64_t{0}; }, site, epoch);
     return true;
   }
   // LL packets go straight into the peer's LL zone, one 8-byte atomic store each. The call
   // description goes first into the step's inter cell (NOTE [call description]), the flag word
   // after the packets (a receiver that expects a put-with-signal sees the mismatch at once).
   bool put_ll(int rank, size_t dst_off, size_t /*out_off*/, const char* src, size_t bytes, uint32_t flag) {
+    NVRAR_CHECK(!ex->remote(rank), "nvrar: LL packets never cross hosts (NOTE [put-with-signal across hosts])");
     auto* c = reinterpret_cast<Cell*>(base(rank) + ex->ll_desc_cell(dst_off));
     store_desc(&c->desc, ex->desc_);
     std::atomic_thread_fence(std::memory_order_release);

@@ -24,6 +24,11 @@ PYBIND11_MODULE(_cuda, m) {
     return d;
   });
   m.def("nvshmem_library_version", &gpu::nvshmem_library_version);
+  m.def("nvshmem_library_path", &gpu::nvshmem_library_path);
+  m.def("nvshmem_pes", []() {
+    const std::vector<int> p = gpu::nvshmem_pes();
+    return py::make_tuple(p[0], p[1]);
+  });
   m.def("device_count", []() {
     std::string why;
     const int n = gpu::device_count(&why);
@@ -31,6 +36,23 @@ PYBIND11_MODULE(_cuda, m) {
   });
   m.def("unique_id", []() { return py::bytes(gpu::unique_id()); });
   m.def("env_set_by_nvrar", &gpu::env_set_by_nvrar);
+  m.def(
+      "set_symmetric_size_default",
+      [](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes, size_t oneshot_max_bytes,
+         size_t ll_max_bytes, int max_blocks) {
+        gpu::GpuConfig c;
+        c.rank = rank;
+        c.world = world;
+        c.ranks_per_node = ranks_per_node;
+        c.max_bytes = max_bytes;
+        c.pool_bytes = pool_bytes;
+        c.oneshot_max_bytes = oneshot_max_bytes;
+        c.ll_max_bytes = ll_max_bytes;
+        c.max_blocks = max_blocks;
+        gpu::set_symmetric_size_default(c);
+      },
+      py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"), py::arg("pool_bytes"),
+      py::arg("oneshot_max_bytes"), py::arg("ll_max_bytes"), py::arg("max_blocks"));
   m.def("nvshmem_init_status", &gpu::nvshmem_init_status);
   m.def(
       "nvshmem_reduce",
@@ -90,6 +112,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("epoch", &gpu::GpuExecutor::epoch)
       .def_property_readonly("pool_address", &gpu::GpuExecutor::pool_address)
       .def_property_readonly("pool_bytes", &gpu::GpuExecutor::pool_bytes)
+      .def("symmetric", &gpu::GpuExecutor::symmetric, py::arg("ptr"), py::arg("nbytes"))
       .def_property_readonly("max_bytes", [](const gpu::GpuExecutor& ex) { return ex.config().max_bytes; })
       .def("close", &gpu::GpuExecutor::close, py::call_guard<py::gil_scoped_release>())
       .def("abandon", &gpu::GpuExecutor::abandon);

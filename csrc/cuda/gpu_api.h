@@ -39,8 +39,14 @@ int device_count(std::string* why);
 std::string nvshmem_header_version();
 std::string nvshmem_library_version();
 std::vector<int> cuda_archs();
+// The NVSHMEM host library file this module's calls resolve to ("" if unknown).
+std::string nvshmem_library_path();
+// {my PE, number of PEs} of the NVSHMEM initialized in this process, {-1, -1} before.
+std::vector<int> nvshmem_pes();
 // The unique id that rank 0 creates and every rank passes to GpuExecutor (128 bytes).
 std::string unique_id();
+// Sets NVSHMEM_SYMMETRIC_SIZE for a segment of this configuration, unless the user set it.
+void set_symmetric_size_default(const GpuConfig& cfg);
 // NVSHMEM_* variables this process set for NVSHMEM (never overriding the user's), for logging.
 std::vector<std::string> env_set_by_nvrar();
 // nvshmemx_init_status() (0 none .. 2 initialized, 3 several PEs per GPU without MPS, 4 with MPS).
@@ -71,6 +77,9 @@ class GpuExecutor {
   Algorithm resolve(Algorithm v, size_t bytes) const;
   uint64_t epoch();  // synchronizes the device
   uintptr_t pool_address() const;
+  // Whether [p, p + bytes) is reduced without a stage-in copy: in NVSHMEM's symmetric heap
+  // (this pool, or nvshmem4py's tensors), 16-byte aligned (runtime.cu, NOTE [symmetric buffers]).
+  bool symmetric(uintptr_t p, size_t bytes) const;
   size_t pool_bytes() const;
   const GpuConfig& config() const;
   void close();    // collective (nvshmem_free)

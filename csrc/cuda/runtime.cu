@@ -2,6 +2,7 @@
 // segment, peer mappings, the device state and the host-mapped error record, and the host side
 // of every call (algorithm, chunking, slices, signature; then one kernel launch).
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -76,6 +77,20 @@ std::string nvshmem_library_version() {
   return os.str();
 }
 
+// The file this module's NVSHMEM host library calls resolve to (dladdr of one of its functions):
+// nvshmem4py must have loaded the same one, else the process holds two NVSHMEM states.
+std::string nvshmem_library_path() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&nvshmemx_vendor_get_version_info), &info) == 0 || info.dli_fname == nullptr)
+    return "";
+  return info.dli_fname;
+}
+
+std::vector<int> nvshmem_pes() {
+  if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED) return {-1, -1};
+  return {nvshmem_my_pe(), nvshmem_n_pes()};
+}
+
 std::vector<int> cuda_archs() {
   std::vector<int> out;
   std::istringstream is(NVRAR_CUDA_ARCHS);
@@ -119,6 +134,19 @@ void nvshmem_reduce(uintptr_t dst, uintptr_t src, size_t count, DType dtype, Red
   NVRAR_CHECK(rc == 0, "NVSHMEM reduce failed (code ", rc, ")");
 }
 
+// The symmetric heap NVSHMEM is asked for (only where the user set no NVSHMEM_SYMMETRIC_SIZE): room
+// for two segments of this configuration, at least 1 GiB. Called before NVSHMEM initializes, by
+// init_nvshmem and, before nvshmem4py's init, by nvrar/_setup.py.
+void set_symmetric_size_default(const GpuConfig& cfg) {
+  const Layout where = Layout::make(cfg.world, cfg.ranks_per_node, cfg.rank);
+  const size_t max_bytes = std::max<size_t>(cfg.max_bytes / 64 * 64, 4096);
+  const SegmentLayout layout = SegmentLayout::make(cfg.ranks_per_node, where.N, max_bytes, cfg.oneshot_max_bytes,
+                                                   cfg.pool_bytes, kCellStride, cfg.max_blocks,
+                                                   where.N > 1 ? cfg.ll_max_bytes : 0);
+  std::lock_guard<std::mutex> lock(g_mu);
+  setenv_default("NVSHMEM_SYMMETRIC_SIZE", std::to_string(std::max<size_t>(size_t{1} << 30, 2 * layout.total_bytes)));
+}
+
 std::vector<std::string> env_set_by_nvrar() {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_env_set;
@@ -152,6 +180,16 @@ struct GpuExecutor::Impl {
   int fused_threads = 0;  // threads per block of the fused kernel (0: not queried yet)
 
   void init_nvshmem(const std::string& uid);
+  // NOTE [symmetric buffers]: a buffer anywhere in NVSHMEM's symmetric heap (nvshmem4py's
+  // nvshmem.core.tensor, another communicator's empty()) is zero-copy like this pool: the heap has
+  // the same layout on every PE and nvshmem_ptr(p, pe) is pe's heap base + (p - my heap base), so
+  // the offset of p from my segment (negative when p lies below it: plan.h's references are
+  // signed) names the same buffer in every peer's mapping. 16-byte aligned buffers only, like the
+  // pool's (its blocks start on 256 bytes). Each rank decides for its own buffers, as for the pool.
+  bool symmetric(uintptr_t p, size_t bytes) const {
+    return bytes > 0 && p % 16 == 0 && nvshmem_ptr(reinterpret_cast<const void*>(p), cfg.rank) != nullptr &&
+           nvshmem_ptr(reinterpret_cast<const void*>(p + bytes - 1), cfg.rank) != nullptr;
+  }
   void raise_recorded();
   template <typename Launch>
   void enqueue(cudaStream_t s, const char* what, const Launch& launch);
@@ -167,16 +205,32 @@ void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
               "nvrar was built against NVSHMEM ", nvshmem_header_version(), " but NVSHMEM ",
               nvshmem_library_version(), " is loaded; install nvidia-nvshmem-cu13==", nvshmem_header_version(),
               " or rebuild nvrar against the version installed");
-  NVRAR_CHECK(uid.size() == sizeof(nvshmemx_uniqueid_t), "unique id of ", uid.size(), " bytes, expected ",
-              sizeof(nvshmemx_uniqueid_t));
   // A current CUDA context first: without one NVSHMEM only bootstraps and exits the process on a
   // failure inside its next call.
   NVRAR_CUDA_CHECK(cudaSetDevice(cfg.device));
   NVRAR_CUDA_CHECK(cudaFree(nullptr));
-  std::lock_guard<std::mutex> lock(g_mu);
   // Room for every executor of this process in the symmetric heap (never overriding the user).
-  setenv_default("NVSHMEM_SYMMETRIC_SIZE", std::to_string(std::max<size_t>(size_t{1} << 30, 2 * layout.total_bytes)));
+  set_symmetric_size_default(cfg);
+  std::lock_guard<std::mutex> lock(g_mu);
+  const int status = nvshmemx_init_status();
+  NVRAR_CHECK(status != NVSHMEM_STATUS_IS_BOOTSTRAPPED, "NVSHMEM in this process is bootstrapped but not initialized "
+              "(an initialization that did not finish, e.g. nvshmem4py's init without a usable GPU context); "
+              "nvrar does not complete it");
+  // Initialized already (nvshmem4py, by the user or by nvrar/_gpu.py, or another library): the
+  // call below only registers this module's device state and takes one reference; no unique id.
+  const bool joined = status >= NVSHMEM_STATUS_IS_INITIALIZED;
+  if (!g_registered && joined) {
+    int provided = 0;
+    nvshmemi_version_t ver = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                              NVSHMEM_VENDOR_PATCH_VERSION};
+    const int rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, 0, nullptr, ver);
+    NVRAR_CHECK(rc == 0, "registering with the NVSHMEM initialized in this process failed (code ", rc,
+                "); NVSHMEM_DEBUG=WARN says why");
+    g_registered = true;
+  }
   if (!g_registered) {
+    NVRAR_CHECK(uid.size() == sizeof(nvshmemx_uniqueid_t), "unique id of ", uid.size(), " bytes, expected ",
+                sizeof(nvshmemx_uniqueid_t));
     nvshmemx_uniqueid_t id;
     std::memcpy(&id, uid.data(), sizeof(id));
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
@@ -289,6 +343,9 @@ uintptr_t GpuExecutor::pool_address() const {
   return reinterpret_cast<uintptr_t>(impl_->segment + impl_->layout.pool_off);
 }
 size_t GpuExecutor::pool_bytes() const { return impl_->layout.pool_bytes; }
+bool GpuExecutor::symmetric(uintptr_t p, size_t bytes) const {
+  return !impl_->closed && (impl_->symmetric(p, bytes) || (p >= pool_address() && p + bytes <= pool_address() + pool_bytes()));
+}
 
 Algorithm GpuExecutor::resolve(Algorithm a, size_t bytes) const {
   return resolve_algorithm(a, bytes, impl_->cfg.oneshot_max_bytes);
@@ -381,7 +438,9 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
   NVRAR_CHECK(I.failure.empty(), "all_reduce: this communicator failed earlier and cannot be used again: ", I.failure);
   I.raise_recorded();  // an earlier kernel's failure surfaces here at the latest
   if (count == 0) return;
-  const CallPlan c = plan_call(I.limits, in, out, count, dtype, op, algorithm);
+  CallPlan c = plan_call(I.limits, in, out, count, dtype, op, algorithm);
+  c.in_pool = c.in_pool || I.symmetric(in, c.bytes);  // NOTE [symmetric buffers]
+  c.out_pool = c.out_pool || I.symmetric(out, c.bytes);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (I.cfg.world == 1) {
     if (in != out) NVRAR_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(out), reinterpret_cast<const void*>(in),

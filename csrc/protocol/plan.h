@@ -133,9 +133,12 @@ NVRAR_HD uint32_t flag_sig(uint64_t word) { return static_cast<uint32_t>(word & 
 // stores it straight into my output, which lives in my segment at this offset), or cma (the peer
 // writes it into my private output at this address with a cross-memory write, CPU only).
 constexpr uint64_t kRefPull = 0, kRefShm = 1, kRefCma = 2;
-NVRAR_HD uint64_t make_ref(uint64_t kind, uint64_t value) { return (kind << 62) | value; }
+// The value is 62 bits, signed: an offset from the owner's segment may be negative (a buffer
+// elsewhere in the GPU's symmetric heap, below the segment: runtime.cu, NOTE [symmetric buffers]);
+// base + ref_value(ref) then wraps to the right address. Addresses and CPU offsets are >= 0.
+NVRAR_HD uint64_t make_ref(uint64_t kind, uint64_t value) { return (kind << 62) | (value & ((uint64_t{1} << 62) - 1)); }
 NVRAR_HD uint64_t ref_kind(uint64_t ref) { return ref >> 62; }
-NVRAR_HD uint64_t ref_value(uint64_t ref) { return ref & ((uint64_t{1} << 62) - 1); }
+NVRAR_HD uint64_t ref_value(uint64_t ref) { return static_cast<uint64_t>(static_cast<int64_t>(ref << 2) >> 2); }
 
 // Position of one rank in the node-major layout.
 struct Layout {

@@ -287,18 +287,22 @@ class NCCLBackend(_TorchDist):
 
 
 class NvshmemBackend(Backend):
-    """NVSHMEM's own all-reduce (nvshmemx_<type>_<op>_reduce_on_stream on the world team) on
-    symmetric buffers, in the NVSHMEM instance that nvrar's GPU communicator initialized."""
+    """NVSHMEM's own all-reduce on the world team, on symmetric buffers, in the NVSHMEM instance
+    that nvrar's GPU communicator initialized (or joined): through nvshmem4py
+    (nvshmem.core.reduce on the stream, on nvshmem.core.tensor buffers) where it is installed and
+    initialized, else through nvrar's own binding of nvshmemx_<type>_<op>_reduce_on_stream."""
 
     name = "nvshmem"
     algorithm = "reduce_on_stream"
 
     def __init__(self, device: str, comm: Any = None, shared_gpu: bool = False) -> None:
         self.comm = comm
+        self._core: Any = None
+        self._held: list = []
         if device != "cuda":
             self.skip_reason = "needs a GPU"
             return
-        from .._gpu import load
+        from .._gpu import load, nvshmem4py, nvshmem4py_initialized
 
         mod, err = load()
         if mod is None:
@@ -309,10 +313,24 @@ class NvshmemBackend(Backend):
         if status == 3:  # NVSHMEM_STATUS_LIMITED_MPG
             self.skip_reason = ("several ranks share a GPU without MPS: NVSHMEM forbids its collectives there "
                                 "(start nvidia-cuda-mps-control -d to compare against them)")
+            return
+        core, _ = nvshmem4py()
+        if core is not None and nvshmem4py_initialized(core):
+            self._core = core
+            self.algorithm = "nvshmem4py.reduce"
 
     def alloc(self, count: int, dtype: str) -> Any:
-        src = self.comm.empty(count, torch_dtype(dtype))
-        dst = self.comm.empty(count, torch_dtype(dtype))
+        if self._core is not None:
+            # nvshmem4py's collectives take its own tensors only; the previous size's pair is freed
+            # first (collective, in the same order on every rank); the last pair goes with
+            # nvshmem.core.finalize (nvrar's last close, where nvrar initialized it).
+            for t in self._held:
+                self._core.free_tensor(t)
+            self._held = [self._core.tensor((count,), dtype=torch_dtype(dtype)) for _ in range(2)]
+            src, dst = self._held
+        else:
+            src = self.comm.empty(count, torch_dtype(dtype))
+            dst = self.comm.empty(count, torch_dtype(dtype))
         src.zero_()
         dst.zero_()
         return (src, dst)
@@ -329,6 +347,10 @@ class NvshmemBackend(Backend):
         import torch
 
         src, dst = buf
+        if self._core is not None:
+            stream = self._core.NvshmemStream(torch.cuda.current_stream())
+            self._core.reduce(self._core.Teams.TEAM_WORLD, dst, src, op, stream=stream)
+            return
         self._mod.nvshmem_reduce(dst.data_ptr(), src.data_ptr(), src.numel(), _arrays.torch_dtype_code(src.dtype),
                                  _arrays.op_code(op), torch.cuda.current_stream().cuda_stream)
 

@@ -1,0 +1,132 @@
+"""Tasks of the cross-host tests (tests/test_hosts.py), run by _worker.py on every rank: on
+network-namespace hosts (tests/_netns.py) and, for the bitwise comparison, on one host with the
+same layout emulated (ranks_per_node)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+
+import nvrar
+import _matrix
+
+OPS = ("sum", "max", "min", "avg")
+ALGORITHMS = ("one-shot", "two-shot")
+# Odd counts: shard bounds that do not divide; 70001 float32 spans several 64 KB chunks.
+COUNTS = (1, 3, 127, 1021, 4099, 70001)
+
+
+def _error(exc: BaseException) -> Dict[str, Any]:
+    return {"type": type(exc).__name__, "message": str(exc), "is_nvrar": isinstance(exc, nvrar.NvrarError),
+            **{k: getattr(exc, k, None) for k in ("rank", "peer", "phase", "step", "epoch", "kind")}}
+
+
+def _inputs(rank: int, count: int, seed: int, dtype: Any) -> np.ndarray:
+    """Random values whose sums round differently in every order: the result's bits depend on the
+    reduction order, so equal digests mean the same order (the round is canonical)."""
+    rng = np.random.default_rng([seed, rank, count])
+    if np.dtype(dtype) == np.int32:
+        return rng.integers(-1000, 1000, count, dtype=np.int32)
+    return (rng.standard_normal(count) * 10).astype(dtype)
+
+
+def task_hosts_matrix(args: dict) -> dict:
+    """The exact matrix (correct values, bitwise across ranks), then the order-sensitive matrix
+    (dtypes x ops x odd counts x algorithms on random data): one digest per case, to compare with
+    the same layout emulated on one host."""
+    if os.environ.get("NVRAR_TEST_HIDE_UCX") == "1":
+        sys.modules["libucx"] = None  # type: ignore[assignment]  # `import libucx` raises ImportError
+    comm = nvrar.Communicator(ranks_per_node=args["G"], max_bytes=args.get("max_bytes", 65536),
+                              timeout=args.get("timeout", 60))
+    report: Dict[str, Any] = {"matrix": _matrix.run_matrix(comm, quick=True)}
+    cases: Dict[str, str] = {}
+    types = [("float32", np.float32), ("float16", np.float16), ("int32", np.int32)]
+    torch = _matrix._torch()
+    for name, dt in types:
+        for op in OPS:
+            for algorithm in ALGORITHMS:
+                for count in COUNTS:
+                    x = _inputs(comm.rank, count, 11, dt)
+                    y = comm.all_reduce(x, op, algorithm=algorithm)
+                    cases[f"{name}/{op}/{algorithm}/{count}"] = hashlib.sha256(y.tobytes()).hexdigest()
+    if torch is not None:  # bfloat16 exists only as a torch dtype
+        for op in OPS:
+            for algorithm in ALGORITHMS:
+                for count in COUNTS:
+                    x = torch.from_numpy(_inputs(comm.rank, count, 13, np.float32)).to(torch.bfloat16)
+                    y = comm.all_reduce(x, op, algorithm=algorithm)
+                    cases[f"bfloat16/{op}/{algorithm}/{count}"] = hashlib.sha256(
+                        y.view(torch.int16).numpy().tobytes()).hexdigest()
+    report["cases"] = cases
+    report["transports"] = {str(r): comm._ex.link_transports(r) for r in range(comm.world_size)}
+    report["host"] = os.uname().nodename
+    comm.close()
+    return report
+
+
+def task_hosts_fault(args: dict) -> dict:
+    """Back-to-back calls (every result checked) until one raises. 'stop' victim: stops itself
+    (SIGSTOP) at call `at`; the other faults come from outside (the test kills a host or takes a
+    link down once every rank wrote its `ready` file)."""
+    comm = nvrar.Communicator(ranks_per_node=args["G"], timeout=args["timeout"], max_bytes=1 << 20)
+    rank, W = comm.rank, comm.world_size
+    n = args.get("count", 1 << 18)
+    x = np.empty(n, dtype=np.float32)
+    want = np.float32(W * (W + 1) // 2)
+    out: Dict[str, Any] = {"calls_ok": 0, "wrong": 0}
+    ready = os.path.join(args["dir"], f"ready-{rank}")
+    try:
+        for i in range(args.get("max_calls", 1 << 30)):
+            if rank == args.get("victim") and args["mode"] == "stop" and i == args["at"]:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            x.fill(rank + 1)
+            comm.all_reduce(x)
+            if not (x == want).all():
+                out["wrong"] += 1
+            out["calls_ok"] += 1
+            if i == 3:
+                with open(ready, "w") as f:
+                    f.write(str(time.time()))
+    except Exception as exc:
+        out["raised_at"] = time.time()
+        out["exception"] = _error(exc)
+    comm.close()
+    return out
+
+
+def task_hosts_torch(args: dict) -> dict:
+    """The `nvrar` backend across hosts: a TP MLP under DTensor (parallelize_module), bitwise
+    equal to the same module on a gloo group and to the unsharded one, served by nvrar."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import nvrar.torch as nt
+    import _torch_tasks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("nvrar", timeout=datetime.timedelta(seconds=120))
+    world = dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref_mesh = DeviceMesh.from_group(gloo, "cpu", mesh_dim_names=("ref",))
+    res: Dict[str, Any] = {"dtensor": _torch_tasks.dtensor_cases(mesh, ref_mesh, None, nt, dist.group.WORLD)}
+    t = torch.arange(5000.0) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    res["value"] = bool(torch.equal(t, torch.arange(5000.0) * (world * (world + 1) // 2)))
+    res["stats"] = nt.stats()
+    nt.reset()
+    _torch_tasks.finish()
+    return res
+
+
+TASKS = {name[len("task_"):]: fn for name, fn in list(globals().items()) if name.startswith("task_hosts_")}
+__all__: List[str] = ["TASKS"]

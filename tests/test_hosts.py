@@ -1,0 +1,294 @@
+"""The CPU executor across hosts over UCX, on hosts this test makes itself: network namespaces
+joined by a bridge, each host with its own network, UTS, IPC, PID and mount namespaces and its own
+/dev/shm (tests/_netns.py), so that the only way between two hosts is their network.
+
+Real processes only: every rank is `_worker.py` started by its host's agent, bootstrapping
+through nvrar's own store on host 0 (MASTER_ADDR, NVRAR_SESSION_SECRET). Checked: which UCX
+transport carried the traffic between hosts (tcp, never shared memory or cross-memory attach);
+the correctness matrix, and bitwise equality with the same layout emulated on one host; faults (a
+host killed, a link taken down in the middle of a call, a stopped rank on another host): every
+survivor raises within the deadline + 1 s naming rank, peer, phase and step, no wrong data,
+nothing left in any host's /dev/shm, the namespaces gone afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+import _netns
+from _launch import HERE, WORKER, RankResult, assert_all_ok, describe, free_port, launch
+
+WHY_NOT = _netns.why_not()
+try:
+    import libucx  # noqa: F401
+
+    NO_UCX = None
+except ImportError:
+    NO_UCX = "UCX is not installed (pip install 'nvrar[ucx]')"
+
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT)),
+              pytest.mark.skipif(NO_UCX is not None, reason=str(NO_UCX))]
+
+SECRET = secrets.token_hex(16)
+ROOT = os.path.dirname(HERE)
+
+
+def run_hosts(n_hosts: int, G: int, task: str, args: dict, timeout: float = 180.0, env: Optional[Dict] = None,
+              during=None, workdir: Optional[str] = None, rank_env: Optional[Dict[int, Dict]] = None) -> Tuple[List[RankResult], List[str], List[str]]:
+    """Runs `task` on n_hosts namespace hosts x G ranks each (rank = host * G + local).
+    `during(hosts, workdir)` runs while the ranks run. Returns the ranks' results, every host's
+    /dev/shm listing after its ranks exited, and the namespaces still present after clean-up."""
+    tmp = workdir or tempfile.mkdtemp(prefix="nvrar-hosts-")
+    W = n_hosts * G
+    port = free_port()
+    base_env = {k: v for k, v in os.environ.items()
+                if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID",
+                             "TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT")}
+    hosts = _netns.Hosts(n_hosts, tmp)
+    shm: List[str] = []
+    with hosts:
+        for h in range(n_hosts):
+            ranks = []
+            for local in range(G):
+                r = h * G + local
+                e = {"RANK": r, "WORLD_SIZE": W, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": G,
+                     "MASTER_ADDR": hosts.addr(0), "MASTER_PORT": port, "NVRAR_SESSION_SECRET": SECRET,
+                     "PYTHONUNBUFFERED": 1, "PYTHONPATH": ROOT,
+                     "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")}
+                e.update(env or {})
+                e.update((rank_env or {}).get(r, {}))
+                full = dict(base_env)
+                full.update({k: str(v) for k, v in e.items()})
+                a = dict(args, dir=tmp)
+                ranks.append({"argv": [sys.executable, WORKER, task, json.dumps(a), os.path.join(tmp, f"rank{r}.json")],
+                              "env": full, "log": os.path.join(tmp, f"rank{r}.log")})
+            hosts.start(h, ranks)
+        if during is not None:
+            during(hosts, tmp)
+        codes = hosts.wait(timeout)
+        for h in range(n_hosts):
+            path = os.path.join(tmp, f"shm-{h}.txt")
+            shm.append(open(path).read().strip() if os.path.exists(path) else "<host gone>")
+    left = hosts.exists()
+    results = []
+    for r in range(W):
+        path = os.path.join(tmp, f"rank{r}.json")
+        report = json.load(open(path)) if os.path.exists(path) else None
+        log = open(os.path.join(tmp, f"rank{r}.log")).read() if os.path.exists(os.path.join(tmp, f"rank{r}.log")) else ""
+        rc = 0 if report is not None and "exception" not in report else 1
+        if codes[r // G] is None:
+            log += f"\n[test_hosts] host {r // G} still running after {timeout:.0f} s (killed)"
+            rc = 1
+        results.append(RankResult(r, rc, "", log[-4000:], report))
+    if workdir is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results, shm, left
+
+
+def emulated(world: int, args: dict) -> List[dict]:
+    """The same task and layout on this host (args["G"]: ranks_per_node)."""
+    return assert_all_ok(launch(world, "hosts_matrix", args, env={"NVRAR_SESSION_SECRET": SECRET}))
+
+
+# (hosts, ranks per host, ranks_per_node): 2x2 with ranks_per_node=1 emulates two nodes inside each
+# host, so that inter-node steps go through shared memory inside a host and over UCX between hosts.
+LAYOUTS = [(2, 1, 1), (2, 2, 2), (3, 1, 1), (2, 2, 1)]
+
+
+@pytest.mark.parametrize("n_hosts,per_host,G", LAYOUTS, ids=[f"{n}x{h}-G{g}" for n, h, g in LAYOUTS])
+def test_matrix_across_hosts(n_hosts, per_host, G):
+    """Correct on every rank, bitwise across ranks, bitwise equal to one host, over tcp only."""
+    args = {"G": G, "max_bytes": 65536}
+    results, shm, left = run_hosts(n_hosts, per_host, "hosts_matrix", args)
+    reports = assert_all_ok(results)
+    assert left == [], f"namespaces left behind: {left}"
+    assert shm == [""] * n_hosts, f"/dev/shm not empty after the run: {shm}"
+    W = n_hosts * per_host
+    for rep in reports:
+        m = rep["matrix"]
+        assert m["failures"] == [] and m["checked"] > 500, m["failures"]
+        # Every rank of another host is reached over tcp (never posix, sysv or cma).
+        for peer, tls in rep["transports"].items():
+            same_host = int(peer) // per_host == rep["rank"] // per_host
+            if same_host:
+                assert tls == ""
+            else:
+                lanes = tls.split(",")
+                assert lanes and all(lane.split("/")[0] == "tcp" for lane in lanes), (rep["rank"], peer, tls)
+        assert rep["host"] == f"nvrhost{rep['rank'] // per_host}"
+    assert len({rep["matrix"]["digest"] for rep in reports}) == 1, "results differ between ranks (bitwise)"
+    one_host = emulated(n_hosts * per_host, args)
+    for rep, ref in zip(reports, one_host):
+        assert len(rep["cases"]) >= 144
+        diff = [k for k in rep["cases"] if rep["cases"][k] != ref["cases"].get(k)]
+        assert diff == [], f"rank {rep['rank']}: differs from {n_hosts} x {G} emulated on one host: {diff[:5]}"
+        assert len({json.dumps(r["cases"], sort_keys=True) for r in reports}) == 1
+    assert W == len(reports)
+
+
+def _wait_ready(tmp: str, ranks: List[int], timeout: float = 240.0) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(tmp, f"ready-{r}")) for r in ranks):
+            return time.time()
+        time.sleep(0.05)
+    raise AssertionError(f"ranks {ranks} never became ready")
+
+
+TIMEOUT = 4.0
+
+
+def check_survivors(results: List[RankResult], survivors: List[int], fault_at: float, what: str) -> None:
+    print(f"\n{what}:")
+    for r in survivors:
+        rep = results[r].report or {}
+        if "raised_at" in rep:
+            print(f"  rank {r} raised {rep['raised_at'] - fault_at:.2f} s after: {rep['exception']['message'][:300]}")
+    for r in survivors:
+        rep = results[r].report
+        assert rep is not None, f"rank {r} wrote no report ({what}):\n{describe(results)}"
+        assert rep["wrong"] == 0, f"rank {r}: wrong data after {what}"
+        exc = rep.get("exception")
+        assert exc is not None, f"rank {r} did not raise after {what}: {rep}"
+        assert exc["is_nvrar"], exc
+        for field in ("rank", "peer", "phase", "step"):
+            assert exc[field] is not None, (r, field, exc)
+        assert exc["rank"] == r
+        late = rep["raised_at"] - fault_at
+        assert late <= TIMEOUT + 1.0, f"rank {r} raised {late:.2f} s after {what} (deadline {TIMEOUT} s + 1 s): {exc}"
+
+
+def test_fault_host_killed():
+    """2 hosts x 2 ranks, every rank of host 1 SIGKILLed inside calls: both survivors raise."""
+    t: Dict[str, float] = {}
+
+    def kill(hosts, tmp):
+        _wait_ready(tmp, [0, 1, 2, 3])
+        time.sleep(0.3)
+        t["at"] = time.time()
+        hosts.kill_host(1)
+
+    results, shm, left = run_hosts(2, 2, "hosts_fault", {"G": 2, "timeout": TIMEOUT}, during=kill, timeout=120)
+    check_survivors(results, [0, 1], t["at"], "host 1 killed")
+    assert shm[0] == "" and left == []
+    msgs = [results[r].report["exception"]["message"] for r in (0, 1)]
+    assert any("rank 2" in m or "rank 3" in m for m in msgs), msgs
+
+
+def test_fault_link_down():
+    """3 hosts x 1 rank, host 2's link taken down in the middle of a call: every rank raises
+    (the ones cut off too), within the deadline + 1 s."""
+    t: Dict[str, float] = {}
+
+    def down(hosts, tmp):
+        _wait_ready(tmp, [0, 1, 2])
+        time.sleep(0.3)
+        t["at"] = time.time()
+        hosts.link_down(2)
+
+    results, shm, left = run_hosts(3, 1, "hosts_fault", {"G": 1, "timeout": TIMEOUT}, during=down, timeout=120)
+    check_survivors(results, [0, 1, 2], t["at"], "host 2's link down")
+    assert shm == ["", "", ""] and left == []
+
+
+def _pid_with_env(marker: str) -> Optional[int]:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def test_fault_rank_stopped():
+    """2 hosts x 2 ranks, rank 3 stops itself (SIGSTOP) between calls: ranks 0, 1 (other host)
+    and 2 (its host) raise within the deadline + 1 s; no wrong data."""
+    t: Dict[str, float] = {}
+    marker = f"NVRAR_TEST_VICTIM={os.getpid()}-{secrets.token_hex(4)}"
+
+    def watch(hosts, tmp):
+        _wait_ready(tmp, [0, 1, 2, 3])
+        deadline = time.monotonic() + 60
+        pid = None
+        while time.monotonic() < deadline:
+            pid = pid or _pid_with_env(marker)
+            if pid is not None:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        t["at"] = time.time()
+                        break
+            time.sleep(0.01)
+        assert "at" in t, "rank 3 never stopped"
+        # Once the survivors reported, the stopped rank goes (its host's agent then lists /dev/shm).
+        deadline = time.monotonic() + 3 * TIMEOUT + 10
+        while time.monotonic() < deadline and not all(os.path.exists(os.path.join(tmp, f"rank{r}.json"))
+                                                      for r in (0, 1, 2)):
+            time.sleep(0.05)
+        os.kill(pid, 9)
+
+    key, value = marker.split("=", 1)
+    results, shm, left = run_hosts(2, 2, "hosts_fault", {"G": 2, "timeout": TIMEOUT, "victim": 3, "mode": "stop",
+                                                          "at": 8}, rank_env={3: {key: value}}, during=watch, timeout=120)
+    check_survivors(results, [0, 1, 2], t["at"], "rank 3 stopped")
+    assert shm == ["", ""] and left == []
+
+
+def test_without_ucx_names_the_extra():
+    """Where libucx cannot be imported, a communicator across hosts raises NvrarError naming
+    nvrar[ucx] on every rank (none waits for another)."""
+    results, shm, left = run_hosts(2, 1, "hosts_matrix", {"G": 1}, env={"NVRAR_TEST_HIDE_UCX": "1"}, timeout=120)
+    for res in results:
+        assert res.report is not None and "exception" in res.report, describe(results)
+        msg = res.report["exception"]["message"]
+        assert res.report["exception"]["type"] == "NvrarError" and "nvrar[ucx]" in msg, msg
+    assert left == [] and shm == ["", ""]
+
+
+def test_torch_backend_dtensor_across_hosts():
+    """init_process_group("nvrar") on 2 hosts x 2 ranks: the world group is served by nvrar (not
+    the fallback), and DTensor tensor parallelism gives what gloo gives, bitwise."""
+    pytest.importorskip("torch")
+    results, shm, left = run_hosts(2, 2, "hosts_torch", {}, env={"GLOO_SOCKET_IFNAME": "eth0"}, timeout=400)
+    reports = assert_all_ok(results)
+    for rep in reports:
+        d = rep["dtensor"]
+        assert d["eager_delta"] == 3 and d["eager_equal_gloo"] and d["eager_equal_unsharded"] and d["nonzero"], d
+        assert rep["value"] and rep["stats"]["nvrar"] >= 4 and rep["stats"]["native"] == 0, rep
+    assert shm == ["", ""] and left == []
+
+
+def test_nvrar_bench_across_hosts():
+    """`nvrar-bench` started by the launcher's variables on each host (one rank per host) runs the
+    inter-host path and verifies its data (#wrong 0)."""
+    tmp = tempfile.mkdtemp(prefix="nvrar-hosts-bench-")
+    try:
+        hosts = _netns.Hosts(2, tmp)
+        port = free_port()
+        with hosts:
+            for h in range(2):
+                env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+                env.update({"MASTER_ADDR": hosts.addr(0), "MASTER_PORT": str(port), "RANK": str(h),
+                            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                            "NVRAR_SESSION_SECRET": SECRET, "PYTHONPATH": ROOT})
+                argv = [sys.executable, "-m", "nvrar.bench", "--backends", "nvrar", "--min-bytes", "4K", "--max-bytes",
+                        "16K", "--iters", "5", "--warmup", "2", "--json", os.path.join(tmp, f"bench{h}.json")]
+                hosts.start(h, [{"argv": argv, "env": env, "log": os.path.join(tmp, f"bench{h}.log")}])
+            codes = hosts.wait(240)
+        log = open(os.path.join(tmp, "bench0.log")).read()
+        assert codes == [0, 0], log[-3000:]
+        assert "# total #wrong: 0" in log and "nvrar/two-shot" in log, log[-3000:]
+        assert hosts.exists() == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
