@@ -10,13 +10,18 @@
 #define NVRAR_DEVICE_CODE 0
 #endif
 
-#if defined(__CUDA_ARCH__)
+// The device paths also compile for the host emulation of the device (csrc/emu, -DNVRAR_EMULATE).
+#if defined(__CUDA_ARCH__) || defined(NVRAR_EMULATE)
 #define NVRAR_ON_DEVICE 1
 #else
 #define NVRAR_ON_DEVICE 0
 #endif
 
 #include <cstddef>
+
+#if defined(NVRAR_EMULATE)
+#include "../emu/prim_emu.h"  // what nvcc provides built in: uint4, the intrinsics (csrc/cuda/prim.cuh)
+#endif
 
 namespace nvrar {
 NVRAR_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }

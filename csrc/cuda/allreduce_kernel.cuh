@@ -8,22 +8,19 @@
 // stay in step (NOTE [epoch protocol], plan.h; NOTE [gpu deadlines], device.cuh).
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <algorithm>
 
 #include "device.cuh"
-#include "launch.h"
 
 namespace nvrar {
 namespace gpu {
 
 template <typename T, typename Op>
 __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const __grid_constant__ KernelParams kp) {
-  __shared__ SharedWs sh;
+  NVRAR_SHARED(SharedWs, sh);
   GpuTransport<T, Op> tp{kp, sh};
   const Workspace ws{sh.srcs, sh.piece_srcs, sh.dsts, sh.piece_dsts, sh.peer_out, sh.src_remote, nullptr};
-  const uint64_t e0 = *reinterpret_cast<volatile unsigned long long*>(&kp.state->epoch);
+  const uint64_t e0 = ld_volatile(&kp.state->epoch);
   const size_t nchunks = ceil_div(kp.count, kp.chunk_elems);
   const int B = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);
@@ -31,6 +28,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
     const uint64_t e = e0 + 1 + c;
     const size_t first = c * kp.chunk_elems;
     const size_t n = kp.count - first < kp.chunk_elems ? kp.count - first : kp.chunk_elems;
+    tp.desc = CallDesc{kp.count, kp.code, n, kp.shape};
     const Range sl = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, b);
     const size_t at = (first + sl.begin) * static_cast<size_t>(kp.es);
     const Slice s{kp.in + at, kp.out + at, sl.size(), static_cast<size_t>(kp.es), sl.begin * static_cast<size_t>(kp.es),
@@ -40,29 +38,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
                         : two_shot_round(tp, kp.cfg, ws, s, e, kp.sig, kp.sc);
     if (!ok) break;  // recorded in kp.err; the host raises
   }
+  // The last block to finish resets the count and advances the epoch. The count is a relaxed
+  // atomic: the fence before it releases this block's epoch read and writes, the fence after the
+  // last one acquires every block's (C++ [atomics.fences]); the reset is an atomic store, since
+  // other blocks' atomicAdd touch the same word.
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const unsigned prev = atomicAdd(&kp.state->done, 1u);
     if (prev == static_cast<unsigned>(B) - 1) {  // the last block of this launch
-      kp.state->done = 0;
+      __threadfence();
+      atomicExch(&kp.state->done, 0u);
       kp.state->epoch = e0 + nchunks;
       __threadfence();
     }
   }
-}
-
-template <typename T, typename Op>
-cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cudaStream_t stream) {
-  nvrar_allreduce_kernel<T, Op><<<blocks, threads, 0, stream>>>(kp);
-  return cudaGetLastError();
-}
-
-template <typename T, typename Op>
-int max_threads_instance() {
-  cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, nvrar_allreduce_kernel<T, Op>) != cudaSuccess) return 0;
-  return a.maxThreadsPerBlock;
 }
 
 }  // namespace gpu

@@ -1,21 +1,21 @@
-// Device side of the GPU executor: memory-order helpers, the error record, the kernel parameters
-// and the NVSHMEM transport that runs protocol/round.h inside one CUDA block per slice.
+// Device side of the GPU executor: the NVSHMEM transport that runs protocol/round.h inside one
+// CUDA block per slice, written against the device primitives of prim.cuh (GPU or emulation);
+// the parameters, the device state and the error record are in params.h.
 // NOTE [epoch protocol] (protocol/plan.h) holds for every slice; NOTE [gpu deadlines] below.
 #pragma once
-
-#include <cuda_runtime.h>
-#include <nvshmem.h>
-#include <nvshmemx.h>
 
 #include <cstdint>
 
 #include "../common/error.h"
+#include "../protocol/desc.h"
 #include "../protocol/ll.h"
 #include "../protocol/phase.h"
 #include "../protocol/plan.h"
 #include "../protocol/round.h"
 #include "../protocol/slice.h"
 #include "../protocol/types.h"
+#include "params.h"
+#include "prim.cuh"
 
 namespace nvrar {
 namespace gpu {
@@ -26,89 +26,6 @@ constexpr int kMaxLocal = 72;
 // 128 registers, so that 512 threads fit an SM on sm_80 and sm_90.
 constexpr int kMaxThreads = 512;
 
-// ProtocolError::Kind values (common/error.h, their one definition), as the device records them.
-using ProtocolErrorKindCode = unsigned;
-constexpr ProtocolErrorKindCode kind_code(ProtocolError::Kind k) { return static_cast<ProtocolErrorKindCode>(k); }
-constexpr ProtocolErrorKindCode kTimeoutCode = kind_code(ProtocolError::Kind::kTimeout);
-constexpr ProtocolErrorKindCode kMismatchCode = kind_code(ProtocolError::Kind::kMismatch);
-constexpr ProtocolErrorKindCode kPeerAbortCode = kind_code(ProtocolError::Kind::kPeerAbort);
-constexpr ProtocolErrorKindCode kViolationCode = kind_code(ProtocolError::Kind::kViolation);
-
-// NOTE [gpu deadlines]: every wait polls with %globaltimer (nanoseconds, not clock cycles) against
-// the communicator's timeout, and checks this rank's abort cell. On expiry, mismatch or abort the
-// block claims the rank's failure in device memory (DeviceState::err_claim, atomicCAS: atomic
-// among the blocks of this GPU, which host-mapped memory is not), writes the record to
-// host-mapped memory (first failure wins), stores an abort record
-// into every rank's abort cell (local peers by load/store, remote ones by an NVSHMEM signal), and
-// returns: the kernel ends, nothing continues with wrong data, and the host raises at its next
-// call or check(). Release builds keep all of this.
-struct ErrorRecord {
-  unsigned long long code;  // 0: no failure; else the ProtocolError::Kind (claimed first)
-  unsigned long long published;  // 1 once every field below is written (set last)
-  uint32_t phase;
-  int32_t peer;
-  int32_t step;
-  int32_t origin;           // for an abort: the rank that failed first
-  unsigned long long epoch;
-  unsigned long long observed;
-};
-
-// Device-resident state of a communicator: the epoch only increases and is advanced by the
-// kernel itself, so a CUDA graph that replays the kernel stays in step with its peers.
-struct DeviceState {
-  unsigned long long epoch;
-  unsigned int done;  // blocks of the current kernel that finished
-  unsigned int pad;
-  unsigned long long err_claim;  // 0, or the kind of this rank's first failure (never reset)
-};
-
-struct KernelParams {
-  const char* in;
-  char* out;
-  size_t count;
-  size_t chunk_elems;
-  int es;
-  Algorithm algorithm;  // resolved (never kAuto)
-  uint32_t sig;
-  Scale sc;
-  bool in_pool;
-  bool out_pool;
-  RoundConfig cfg;
-  char* my;             // my segment (symmetric address)
-  char* const* peers;   // [G]: load/store view of every local rank's segment (nvshmem_ptr)
-  DeviceState* state;
-  ErrorRecord* err;     // host-mapped
-  unsigned long long timeout_ns;
-};
-
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-// Two packets in one 16-byte access (p 16-byte aligned); each 8-byte half is single-copy atomic.
-__device__ __forceinline__ void st_relaxed_sys_v2(uint64_t* p, uint64_t a, uint64_t b) {
-  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
-}
-__device__ __forceinline__ void ld_relaxed_sys_v2(const uint64_t* p, uint64_t& a, uint64_t& b) {
-  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
-}
 // Packets [0, m) of a quad at p: two 16-byte stores where p is aligned and the quad whole.
 __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQuad], size_t m) {
   if (m == kLLQuad && (reinterpret_cast<size_t>(p) & 15) == 0) {
@@ -118,6 +35,14 @@ __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQua
   }
   for (size_t k = 0; k < m; ++k) st_relaxed_sys(p + k, pk[k]);
 }
+
+// NOTE [gpu call description]: an in-node flag cell (ready, final: written by a peer's store over
+// NVLink) holds, like the CPU executor's cells (csrc/cpu/segment.h), the flag word, two aux words
+// and then the sender's CallDesc (protocol/desc.h) at word kCellDesc, stored before the word's
+// release; wait() compares it with this block's description before the caller sees the aux
+// words (offsets into the peer's segment) or touches the peer's data. Cells written across nodes
+// (inter cells, LL zones) do not carry it yet: there the 16-bit signature is the only check.
+constexpr int kCellDesc = 3;
 
 // Per-block workspace of protocol/round.h, in shared memory.
 struct SharedWs {
@@ -138,6 +63,9 @@ template <typename T, typename Op>
 struct GpuTransport {
   const KernelParams& kp;  // the __grid_constant__ kernel parameter: no per-thread copy
   SharedWs& sh;
+  // The call description of the round in flight (protocol/desc.h), set by the kernel per chunk:
+  // every in-node flag cell carries it, every wait on one compares it (NOTE [gpu call description]).
+  CallDesc desc{};
   // Whether the block may have touched global memory since the last signal's fence. Every thread
   // of the block makes the same sequence of transport calls, so every thread's copy holds the same
   // value, and a __syncthreads guarded by it is reached by all or none.
@@ -162,6 +90,10 @@ struct GpuTransport {
       uint64_t* c = reinterpret_cast<uint64_t*>(base(rank) + cell);
       st_relaxed_sys(c + 1, aux0);
       st_relaxed_sys(c + 2, aux1);
+      st_relaxed_sys(c + kCellDesc + 0, desc.count);
+      st_relaxed_sys(c + kCellDesc + 1, desc.code);
+      st_relaxed_sys(c + kCellDesc + 2, desc.n);
+      st_relaxed_sys(c + kCellDesc + 3, desc.shape);
       st_release_sys(c, word);
     }
   }
@@ -172,8 +104,7 @@ struct GpuTransport {
   __device__ void record(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
                          int origin) {
     if (atomicCAS(&kp.state->err_claim, 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
-      volatile unsigned long long* code = &kp.err->code;
-      *code = static_cast<unsigned long long>(kind);
+      st_volatile(&kp.err->code, static_cast<unsigned long long>(kind));
       kp.err->phase = static_cast<uint32_t>(phase);
       kp.err->peer = peer;
       kp.err->step = step;
@@ -181,7 +112,7 @@ struct GpuTransport {
       kp.err->epoch = epoch;
       kp.err->observed = observed;
       __threadfence_system();
-      *reinterpret_cast<volatile unsigned long long*>(&kp.err->published) = 1ull;
+      st_volatile(&kp.err->published, 1ull);
     }
   }
 
@@ -259,6 +190,15 @@ struct GpuTransport {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
+      if (ok && cell < kp.cfg.L.inter_cell(0, 0, 0)) {
+        // An in-node cell: the sender's description, ordered by the acquire above, must be mine.
+        const CallDesc theirs{ld_relaxed_sys(c + kCellDesc + 0), ld_relaxed_sys(c + kCellDesc + 1),
+                              ld_relaxed_sys(c + kCellDesc + 2), ld_relaxed_sys(c + kCellDesc + 3)};
+        if (!desc_equal(theirs, desc)) {
+          fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+          ok = 0;
+        }
+      }
       if (ok && cell >= kp.cfg.L.inter_cell(0, 0, 0)) {
         // Written by an NVSHMEM signal: returns at once, and adds the consistency step that
         // makes the signal's data visible (proxy transports included).
@@ -317,17 +257,16 @@ struct GpuTransport {
     const uint32_t flag = ll_flag(e, sig);
     const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
     const uint64_t* abort_word = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
-    volatile int* ok = &sh.ok;
     const size_t n = ll_packets(bytes);
     const uint64_t start = globaltimer();
     if (threadIdx.x == 0) sh.ok = 1;
     __syncthreads();
-    for (size_t i = threadIdx.x; i < n && *ok == 1; i += blockDim.x) {
+    for (size_t i = threadIdx.x; i < n && ld_volatile(&sh.ok) == 1; i += blockDim.x) {
       int st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
       unsigned spins = 0;
       while (st == 0) {
         if ((++spins & 63) == 0) {
-          if (*ok != 1) break;  // another thread failed: its code stands
+          if (ld_volatile(&sh.ok) != 1) break;  // another thread failed: its code stands
           if (globaltimer() - start > kp.timeout_ns) {
             atomicCAS(&sh.ok, 1, kLLTimedOut);
             break;

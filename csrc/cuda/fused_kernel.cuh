@@ -12,11 +12,9 @@
 // j + o for o = 16, 8, 4, 2, 1), so the bits are those of add_rms_norm_row on the host.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include "../protocol/epilogue.h"
 #include "device.cuh"
-#include "fused_launch.h"
+#include "params.h"
 
 namespace nvrar {
 namespace gpu {
@@ -62,12 +60,12 @@ struct BlockEpilogue {
 
 template <typename T>
 __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_fused_kernel(const __grid_constant__ FusedParams fp) {
-  __shared__ SharedWs sh;
+  NVRAR_SHARED(SharedWs, sh);
   const KernelParams& kp = fp.kp;
   GpuTransport<T, OpSum> tp{kp, sh};
   const Workspace ws{sh.srcs, sh.piece_srcs, sh.dsts, sh.piece_dsts, sh.peer_out, sh.src_remote, nullptr};
   const BlockEpilogue<T> epi{reinterpret_cast<const T*>(fp.weight), fp.h, fp.eps};
-  const uint64_t e0 = *reinterpret_cast<volatile unsigned long long*>(&kp.state->epoch);
+  const uint64_t e0 = ld_volatile(&kp.state->epoch);
   const size_t nchunks = ceil_div(fp.rows, fp.chunk_rows);
   const size_t es = static_cast<size_t>(kp.es);
   const size_t row_bytes = fp.h * es;
@@ -75,6 +73,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_fused_kernel(const __gri
     const uint64_t e = e0 + 1 + c;
     const size_t r0 = c * fp.chunk_rows;
     const size_t n = fp.rows - r0 < fp.chunk_rows ? fp.rows - r0 : fp.chunk_rows;
+    tp.desc = CallDesc{kp.count, kp.code, n * fp.h, kp.shape};
     char* x = kp.out + r0 * row_bytes;
     char* res = fp.res + r0 * row_bytes;
     bool ok;
@@ -96,19 +95,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_fused_kernel(const __gri
     kp.state->epoch = e0 + nchunks;
     __threadfence();
   }
-}
-
-template <typename T>
-cudaError_t launch_fused_instance(const FusedParams& fp, int threads, cudaStream_t stream) {
-  nvrar_fused_kernel<T><<<1, threads, 0, stream>>>(fp);
-  return cudaGetLastError();
-}
-
-template <typename T>
-int max_threads_fused_instance() {
-  cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, nvrar_fused_kernel<T>) != cudaSuccess) return 0;
-  return a.maxThreadsPerBlock;
 }
 
 }  // namespace gpu

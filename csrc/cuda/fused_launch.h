@@ -5,22 +5,12 @@
 
 #include <cuda_runtime.h>
 
-#include "device.cuh"
+#include "params.h"
 
 namespace nvrar {
 namespace gpu {
 
-// The plain kernel's parameters (transport, flags, epoch, error record) plus the fused call's.
-struct FusedParams {
-  KernelParams kp;     // kp.in / kp.out: x; kp.count: rows * h; kp.algorithm, kp.sig: the fused call's
-  char* res;           // residual, read and written in place
-  const char* weight;  // h elements
-  size_t rows;
-  size_t h;
-  size_t chunk_rows;   // rows per round (fused_chunk_rows)
-  float eps;
-};
-
+// FusedParams: params.h.
 template <typename T>
 cudaError_t launch_fused_instance(const FusedParams& fp, int threads, cudaStream_t stream);
 template <typename T>

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "device.cuh"
+#include "params.h"
 
 namespace nvrar {
 namespace gpu {
@@ -13,7 +13,7 @@ cudaError_t launch_allreduce(const KernelParams& kp, DType dtype, RedOp op, int 
 // The most threads per block every instance of the kernel can launch with on this device.
 int max_threads_per_block();
 
-// One instance of the fused kernel: defined in allreduce_kernel.cuh, instantiated for each
+// One instance of the fused kernel (allreduce_kernel.cuh), defined and instantiated for each
 // (T, Op) in its own translation unit (allreduce_inst.cu).
 template <typename T, typename Op>
 cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cudaStream_t stream);

@@ -21,6 +21,7 @@
 #include "fused_launch.h"
 #include "gpu_api.h"
 #include "launch.h"
+#include "launch_params.h"
 
 #define NVRAR_CUDA_CHECK(expr)                                                                          \
   do {                                                                                                  \
@@ -33,8 +34,6 @@ namespace nvrar {
 namespace gpu {
 
 namespace {
-
-constexpr size_t kCellStride = 64;  // one cache line per flag cell, as on the CPU
 
 std::mutex g_mu;
 bool g_registered = false;  // this library's own NVSHMEM registration (init_status is process-wide)
@@ -154,9 +153,9 @@ std::vector<std::string> env_set_by_nvrar() {
 
 struct GpuExecutor::Impl {
   GpuConfig cfg;
+  ExecutorGeometry geo;          // layout, segment, round (launch_params.h, shared with csrc/emu)
   Layout where;
   SegmentLayout layout;
-  RoundConfig round;
   CallLimits limits;             // what the configuration fixes for every call (protocol/call.h)
   char* segment = nullptr;       // nvshmem_malloc'd, symmetric
   char** peers_dev = nullptr;    // device array [G]
@@ -193,7 +192,7 @@ struct GpuExecutor::Impl {
   void raise_recorded();
   template <typename Launch>
   void enqueue(cudaStream_t s, const char* what, const Launch& launch);
-  void fill_executor_params(KernelParams& kp) const;
+  DeviceHandles handles() const { return DeviceHandles{segment, peers_dev, state, err_dev}; }
 };
 
 void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
@@ -268,20 +267,17 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   NVRAR_CHECK(cfg.timeout_s > 0, "timeout must be > 0 s, got ", cfg.timeout_s);
   std::string why;
   NVRAR_CHECK(device_count(&why) > 0, "the GPU executor needs a CUDA device: ", why);
-  I.cfg.max_bytes = std::max<size_t>(cfg.max_bytes / 64 * 64, 4096);
-  I.where = Layout::make(cfg.world, cfg.ranks_per_node, cfg.rank);
-  I.layout = SegmentLayout::make(cfg.ranks_per_node, I.where.N, I.cfg.max_bytes, cfg.oneshot_max_bytes, cfg.pool_bytes,
-                                 kCellStride, cfg.max_blocks, I.where.N > 1 ? cfg.ll_max_bytes : 0);
-  I.round = RoundConfig{I.where, I.layout, false, 0, 0, I.where.N > 1 ? cfg.ll_max_bytes : 0};
+  I.geo = executor_geometry(cfg);
+  I.cfg.max_bytes = I.geo.cfg.max_bytes;
+  I.where = I.geo.where;
+  I.layout = I.geo.layout;
   I.init_nvshmem(uid);
 
   I.segment = static_cast<char*>(nvshmem_malloc(I.layout.total_bytes));  // collective
   NVRAR_CHECK(I.segment != nullptr, "nvshmem_malloc of ", I.layout.total_bytes,
               " bytes failed; raise NVSHMEM_SYMMETRIC_SIZE");
   NVRAR_CUDA_CHECK(cudaMemset(I.segment, 0, I.layout.pool_off));
-  I.limits = CallLimits{cfg.world, I.where.N, I.cfg.max_bytes, cfg.oneshot_max_bytes, I.layout.oneshot_chunk_bytes(),
-                        cfg.max_blocks, cfg.block_bytes, reinterpret_cast<uintptr_t>(I.segment + I.layout.pool_off),
-                        I.layout.pool_bytes};
+  I.limits = call_limits(I.geo, I.segment);
   std::vector<char*> peers(static_cast<size_t>(cfg.ranks_per_node));
   for (int h = 0; h < cfg.ranks_per_node; ++h) {
     const int pe = I.where.rank_of(I.where.node, h);
@@ -421,16 +417,6 @@ void GpuExecutor::Impl::enqueue(cudaStream_t s, const char* what, const Launch& 
   }
 }
 
-// The fields of KernelParams that come from the executor, not from the call.
-void GpuExecutor::Impl::fill_executor_params(KernelParams& kp) const {
-  kp.cfg = round;
-  kp.my = segment;
-  kp.peers = peers_dev;
-  kp.state = state;
-  kp.err = err_dev;
-  kp.timeout_ns = static_cast<unsigned long long>(cfg.timeout_s * 1e9);
-}
-
 void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
                              uintptr_t stream) {
   Impl& I = *impl_;
@@ -447,18 +433,7 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
                                                     c.bytes, cudaMemcpyDeviceToDevice, s));
     return;
   }
-  KernelParams kp{};
-  kp.in = reinterpret_cast<const char*>(in);
-  kp.out = reinterpret_cast<char*>(out);
-  kp.count = count;
-  kp.chunk_elems = c.chunk_elems;
-  kp.es = static_cast<int>(c.es);
-  kp.algorithm = c.algorithm;
-  kp.sig = c.sig;
-  kp.sc = c.sc;
-  kp.in_pool = c.in_pool;
-  kp.out_pool = c.out_pool;
-  I.fill_executor_params(kp);
+  const KernelParams kp = allreduce_params(c, in, out, count, dtype, op, I.geo, I.handles());
   I.enqueue(s, "all_reduce", [&]() { return launch_allreduce(kp, dtype, op, c.slices, I.cfg.threads, s); });
 }
 
@@ -478,56 +453,14 @@ void GpuExecutor::all_reduce_add_rms_norm(uintptr_t x, uintptr_t residual, uintp
   NVRAR_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16, what, ": dtype ",
               dtype_name(dtype), " is not supported (float32, float16, bfloat16)");
   if (rows == 0) return;
-  const size_t es = static_cast<size_t>(dtype_size(dtype));
-  NVRAR_CHECK(rows <= SIZE_MAX / h / es, what, ": ", rows, " rows of ", h, " elements overflow");
-  const size_t row_bytes = h * es;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (I.fused_threads == 0) {
     const int limit = max_threads_fused();
     NVRAR_CHECK(limit >= 32, what, ": cannot query the fused kernel's launch limits on this device");
     I.fused_threads = std::min(I.cfg.threads, std::min(limit, kMaxThreads)) / 32 * 32;
   }
-  Algorithm v = resolve(requested, rows * row_bytes);
-  NVRAR_CHECK(v == Algorithm::kTwoShot || v == Algorithm::kOneShot, what, ": unknown algorithm code ", static_cast<int>(v));
-  const Layout& w = I.where;
-  // One block is one slice: a one-shot chunk across nodes must fit one slice's zone (the layout's
-  // oneshot_chunk_bytes counts max_blocks slices).
-  auto chunk_rows = [&](Algorithm u) {
-    size_t c = fused_chunk_rows(I.layout, I.cfg.max_bytes, w.G, w.N, row_bytes, u == Algorithm::kOneShot);
-    if (u == Algorithm::kOneShot && w.N > 1)
-      c = std::min(c, I.layout.oneshot_chunk_bytes() / static_cast<size_t>(I.layout.B) / row_bytes);
-    return c;
-  };
-  size_t chunk = I.cfg.world == 1 ? rows : chunk_rows(v);
-  if (chunk == 0 && v == Algorithm::kOneShot && requested == Algorithm::kAuto) {
-    v = Algorithm::kTwoShot;  // a row too long for a one-shot zone (every rank decides alike)
-    chunk = chunk_rows(v);
-  }
-  NVRAR_CHECK(chunk > 0, what, ": a row of h=", h, " ", dtype_name(dtype), " elements (", row_bytes,
-              " bytes) does not fit this communicator's ", algorithm_name(v), " round (max_bytes=", I.cfg.max_bytes,
-              "); raise max_bytes");
-  FusedParams fp{};
-  KernelParams& kp = fp.kp;
-  kp.in = reinterpret_cast<const char*>(x);
-  kp.out = reinterpret_cast<char*>(x);
-  kp.count = rows * h;
-  kp.chunk_elems = chunk * h;
-  kp.es = static_cast<int>(es);
-  kp.algorithm = v;
-  kp.sig = fused_signature(rows * h, static_cast<int>(dtype), static_cast<int>(v), h, eps);
-  kp.sc = make_scale(RedOp::kSum, 1);
-  kp.in_pool = false;
-  kp.out_pool = false;
-  I.fill_executor_params(kp);
-  fp.res = reinterpret_cast<char*>(residual);
-  fp.weight = reinterpret_cast<const char*>(weight);
-  fp.rows = rows;
-  fp.h = h;
-  fp.chunk_rows = chunk;
-  fp.eps = eps;
-  // A world of one: the one-shot round with G = N = 1 signals nobody (x is its own sum), then the
-  // epilogue.
-  if (I.cfg.world == 1) kp.algorithm = Algorithm::kOneShot;
+  // The algorithm, the chunking and the parameters: launch_params.h (its checks name the call).
+  const FusedParams fp = fused_params(I.geo, I.handles(), x, residual, weight, rows, h, dtype, eps, requested);
   const int threads = I.fused_threads;
   I.enqueue(s, what, [&]() { return launch_fused(fp, dtype, threads, s); });
 }

@@ -258,8 +258,9 @@ NVRAR_HD bool two_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws
     tp.sync();  // every member is done with this piece's pointers before the next piece's
     if (!any_cma_push) continue;
     for (int h = 0; h < G; ++h) {
+      if (h == me) continue;  // (see the delivery loop below)
       const uint64_t ref = ws.peer_out[h];
-      if (h == me || ref_kind(ref) != kRefCma) continue;
+      if (ref_kind(ref) != kRefCma) continue;
       if (!tp.remote_write(w.rank_of(w.node, h), s.out + mine_off + off, ref_value(ref) + mine_off + off, len,
                            Phase::kAllGather))
         return false;
@@ -271,9 +272,13 @@ NVRAR_HD bool two_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws
     if (!inter_node_round(tp, cfg, mine.size(), es, e, sig, sc, b, &final_off)) return false;
     const char* fin = my + final_off;
     tp.copy(s.out + mine_off, fin, mine_bytes);
+    // Only entries of peers are read here: with no local peer (G == 1) no sync separates this
+    // loop from the leader's write of ws.peer_out[me] in the next chunk, so that entry must not
+    // be read after the round's last sync.
     for (int h = 0; h < G; ++h) {
+      if (h == me) continue;
       const uint64_t ref = ws.peer_out[h];
-      if (h == me || ref_kind(ref) == kRefPull) continue;
+      if (ref_kind(ref) == kRefPull) continue;
       tp.jitter();
       if (ref_kind(ref) == kRefShm) {
         tp.copy(tp.base(w.rank_of(w.node, h)) + ref_value(ref) + mine_off, fin, mine_bytes);

@@ -1,0 +1,939 @@
+// The emulated device suite: the GPU executor's kernels (csrc/cuda, unmodified) run on emulated PEs
+// (csrc/emu), launched with the parameters runtime.cu computes (launch_params.h), and checked
+// bit for bit against a reference that follows the canonical combine order of NOTE [epoch
+// protocol] (local ranks in order, then recursive doubling with the lower node first), written
+// here independently of the round.
+//
+//   emulate_driver [--quick] [--seed N] [--only SUBSTRING]... [--repeat K] [--list] [--barrier-selftest]
+// Prints one line per case and, last, "emulated device: N cases passed, M failed (tsan: on|off)".
+// Exit status 0 only if every case passed.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../cuda/launch_params.h"
+#include "../protocol/call.h"
+#include "../protocol/epilogue.h"
+#include "emu.h"
+#include "kernels.h"
+
+#if defined(__SANITIZE_THREAD__)
+static int g_tsan_reports = 0;
+extern "C" void __tsan_on_report(void*) { ++g_tsan_reports; }
+constexpr bool kTsan = true;
+#else
+static int g_tsan_reports = 0;
+constexpr bool kTsan = false;
+#endif
+
+namespace nvrar {
+namespace emu {
+namespace {
+
+using gpu::DeviceHandles;
+using gpu::DeviceState;
+using gpu::ErrorRecord;
+using gpu::ExecutorGeometry;
+using gpu::KernelParams;
+
+constexpr size_t kCanary = 256;
+constexpr unsigned char kCanaryByte = 0xc3;
+
+struct Failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+#define EXPECT(cond, ...)                                             \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::ostringstream os_;                                         \
+      os_ << __VA_ARGS__;                                             \
+      throw Failure(os_.str() + " [" #cond ", line " + std::to_string(__LINE__) + "]"); \
+    }                                                                 \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------
+// The reference: elementwise, in the canonical order.
+
+template <typename T>
+struct Ref {
+  // Intra-node: sources in local-rank order, accumulated in acc_t<T>, one rounding.
+  template <typename Op>
+  static T local(const std::vector<T>& xs, Op op, const Scale* sc) {
+    acc_t<T> a = load_acc(xs[0]);
+    for (size_t k = 1; k < xs.size(); ++k) a = op(a, load_acc(xs[k]));
+    if (sc != nullptr && sc->active()) a = sc->apply(a);
+    return store_acc<T>(a);
+  }
+  template <typename Op>
+  static T pair(T lo, T hi, Op op, const Scale* sc) {
+    acc_t<T> a = op(load_acc(lo), load_acc(hi));
+    if (sc != nullptr && sc->active()) a = sc->apply(a);
+    return store_acc<T>(a);
+  }
+  // All ranks' values of one element (rank order) -> the result.
+  template <typename Op>
+  static T all(const std::vector<T>& v, int N, int G, Op op, Scale sc) {
+    std::vector<T> node(static_cast<size_t>(N));
+    for (int n = 0; n < N; ++n) {
+      std::vector<T> xs(v.begin() + n * G, v.begin() + (n + 1) * G);
+      node[static_cast<size_t>(n)] = local(xs, op, N == 1 ? &sc : nullptr);
+    }
+    if (N == 1) return node[0];
+    int Np = 1;
+    while (Np * 2 <= N) Np *= 2;
+    for (int n = Np; n < N; ++n) node[static_cast<size_t>(n - Np)] = pair(node[static_cast<size_t>(n - Np)], node[static_cast<size_t>(n)], op, nullptr);
+    int K = 0;
+    while ((1 << K) < Np) ++K;
+    for (int k = 0; k < K; ++k) {
+      std::vector<T> next(node);
+      for (int n = 0; n < Np; ++n) {
+        const int p = n ^ (1 << k);
+        const int lo = std::min(n, p), hi = std::max(n, p);
+        next[static_cast<size_t>(n)] = pair(node[static_cast<size_t>(lo)], node[static_cast<size_t>(hi)], op, k == K - 1 ? &sc : nullptr);
+      }
+      node = next;
+    }
+    return node[0];
+  }
+};
+
+template <typename T>
+T random_value(std::mt19937_64& rng, RedOp op);
+template <>
+float random_value<float>(std::mt19937_64& rng, RedOp) {
+  // Random mantissas over a few binades, both signs: the combine order changes the bits.
+  const float m = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
+  return std::ldexp(m, static_cast<int>(rng() % 7) - 3);
+}
+template <>
+int32_t random_value<int32_t>(std::mt19937_64& rng, RedOp) {
+  return static_cast<int32_t>(rng());
+}
+template <>
+f16 random_value<f16>(std::mt19937_64& rng, RedOp op) {
+  return to_f16(random_value<float>(rng, op));
+}
+template <>
+bf16 random_value<bf16>(std::mt19937_64& rng, RedOp op) {
+  return to_bf16(random_value<float>(rng, op));
+}
+
+// ---------------------------------------------------------------------------------------------
+// An emulated GPU executor: every PE's configuration, segment, device state and error record.
+
+struct Setup {
+  int N = 2, G = 1;
+  int max_blocks = 2;
+  int threads = 32;
+  size_t max_bytes = 4096;
+  size_t block_bytes = 1024;
+  size_t ll_max_bytes = 0;
+  size_t oneshot_max_bytes = 1024;
+  size_t pool_bytes = 64 << 10;
+  bool direct = false;
+  double timeout_s = kTsan ? 120 : 30;  // every wait's deadline (ThreadSanitizer is 5-10x slower)
+  uint64_t seed = 1;
+  uint64_t epoch0 = 0;
+};
+
+struct Exec {
+  Setup su;
+  int W;
+  std::vector<ExecutorGeometry> geo;
+  std::unique_ptr<World> world;
+  std::vector<DeviceState> state;
+  std::vector<ErrorRecord> err;
+  std::vector<std::vector<char*>> peers;
+  std::vector<double> timeout_s;  // per PE (a failure case shortens one)
+
+  explicit Exec(const Setup& s) : su(s), W(s.N * s.G) {
+    for (int r = 0; r < W; ++r) {
+      gpu::GpuConfig c;
+      c.rank = r;
+      c.world = W;
+      c.ranks_per_node = s.G;
+      c.max_bytes = s.max_bytes;
+      c.pool_bytes = s.pool_bytes;
+      c.oneshot_max_bytes = s.oneshot_max_bytes;
+      c.ll_max_bytes = s.ll_max_bytes;
+      c.block_bytes = s.block_bytes;
+      c.max_blocks = s.max_blocks;
+      c.threads = s.threads;
+      c.timeout_s = s.timeout_s;
+      geo.push_back(gpu::executor_geometry(c));
+    }
+    WorldConfig wc;
+    wc.pes = W;
+    wc.G = s.G;
+    wc.direct_remote = s.direct;
+    wc.seed = s.seed;
+    wc.segment_bytes = geo[0].layout.total_bytes;
+    wc.barrier_timeout_s = s.timeout_s + 60;
+    world.reset(new World(wc));
+    state.assign(static_cast<size_t>(W), DeviceState{});
+    err.assign(static_cast<size_t>(W), ErrorRecord{});
+    for (auto& st : state) st.epoch = s.epoch0;
+    peers.resize(static_cast<size_t>(W));
+    for (int r = 0; r < W; ++r) {
+      const int node = r / s.G;
+      for (int h = 0; h < s.G; ++h) peers[static_cast<size_t>(r)].push_back(world->segment(node * s.G + h));
+    }
+    timeout_s.assign(static_cast<size_t>(W), s.timeout_s);
+  }
+  ~Exec() { world->quiet(); }
+
+  char* seg(int r) const { return world->segment(r); }
+  char* pool(int r) const { return seg(r) + geo[static_cast<size_t>(r)].layout.pool_off; }
+  DeviceHandles handles(int r) {
+    return DeviceHandles{seg(r), peers[static_cast<size_t>(r)].data(), &state[static_cast<size_t>(r)],
+                         &err[static_cast<size_t>(r)]};
+  }
+  ExecutorGeometry geometry(int r) const {
+    ExecutorGeometry g = geo[static_cast<size_t>(r)];
+    g.cfg.timeout_s = timeout_s[static_cast<size_t>(r)];
+    return g;
+  }
+};
+
+// One rank's side of an all_reduce call.
+struct CallArgs {
+  size_t count = 0;
+  DType dtype = DType::kFloat32;
+  RedOp op = RedOp::kSum;
+  Algorithm alg = Algorithm::kAuto;
+  char* in = nullptr;
+  char* out = nullptr;
+  bool absent = false;  // this rank never launches
+};
+
+void dispatch_allreduce(const KernelParams& kp, DType dt, RedOp op) {
+  switch (dt) {
+    case DType::kFloat32: allreduce_kernel<float>(kp, op); return;
+#if !defined(NVRAR_EMU_MINIMAL)
+    case DType::kFloat16: allreduce_kernel<f16>(kp, op); return;
+    case DType::kBFloat16: allreduce_kernel<bf16>(kp, op); return;
+    case DType::kInt32: allreduce_kernel<int32_t>(kp, op); return;
+#endif
+    default: break;
+  }
+  std::fprintf(stderr, "this build has no %s kernel\n", dtype_name(dt));
+  std::abort();
+}
+
+void dispatch_fused(const gpu::FusedParams& fp, DType dt) {
+  switch (dt) {
+    case DType::kFloat32: fused_kernel<float>(fp); return;
+#if !defined(NVRAR_EMU_MINIMAL)
+    case DType::kFloat16: fused_kernel<f16>(fp); return;
+    case DType::kBFloat16: fused_kernel<bf16>(fp); return;
+#endif
+    default: break;
+  }
+  std::fprintf(stderr, "this build has no fused %s kernel\n", dtype_name(dt));
+  std::abort();
+}
+
+// Launches one call on every PE (runtime.cu's host side: plan_call, then allreduce_params).
+// chunk_override: a smaller chunk than the plan's (the epoch-advance cases), else 0.
+void run_call_chunks(Exec& ex, const std::vector<CallArgs>& a, const std::vector<size_t>& chunks) {
+  std::vector<KernelParams> kps(static_cast<size_t>(ex.W));
+  std::vector<int> blocks(static_cast<size_t>(ex.W), 0);
+  for (int r = 0; r < ex.W; ++r) {
+    const CallArgs& c = a[static_cast<size_t>(r)];
+    const ExecutorGeometry g = ex.geometry(r);
+    const CallPlan p = plan_call(gpu::call_limits(g, ex.seg(r)), reinterpret_cast<uintptr_t>(c.in),
+                                 reinterpret_cast<uintptr_t>(c.out), c.count, c.dtype, c.op, c.alg);
+    kps[static_cast<size_t>(r)] = gpu::allreduce_params(p, reinterpret_cast<uintptr_t>(c.in),
+                                                        reinterpret_cast<uintptr_t>(c.out), c.count, c.dtype, c.op, g,
+                                                        ex.handles(r));
+    if (chunks[static_cast<size_t>(r)] != 0) kps[static_cast<size_t>(r)].chunk_elems = chunks[static_cast<size_t>(r)];
+    blocks[static_cast<size_t>(r)] = c.absent ? 0 : p.slices;
+  }
+  ex.world->launch(blocks, ex.su.threads, [&](int pe) {
+    dispatch_allreduce(kps[static_cast<size_t>(pe)], a[static_cast<size_t>(pe)].dtype, a[static_cast<size_t>(pe)].op);
+  });
+}
+
+void run_call(Exec& ex, const std::vector<CallArgs>& a, size_t chunk_override = 0) {
+  std::vector<size_t> chunks(static_cast<size_t>(ex.W), chunk_override);
+  run_call_chunks(ex, a, chunks);
+}
+
+std::string record_text(const ErrorRecord& e) {
+  std::ostringstream os;
+  os << "code " << e.code << " phase " << phase_name(static_cast<Phase>(e.phase)) << " step " << e.step << " peer "
+     << e.peer << " origin " << e.origin << " epoch " << e.epoch << " observed " << e.observed;
+  return os.str();
+}
+
+void expect_no_errors(const Exec& ex) {
+  for (int r = 0; r < ex.W; ++r)
+    EXPECT(ex.err[static_cast<size_t>(r)].code == 0, "rank " << r << " recorded a failure: " << record_text(ex.err[static_cast<size_t>(r)]));
+}
+
+void fill_canary(char* p) { std::memset(p, kCanaryByte, kCanary); }
+void expect_canary(const char* p, int r, const char* what) {
+  for (size_t i = 0; i < kCanary; ++i)
+    EXPECT(static_cast<unsigned char>(p[i]) == kCanaryByte,
+           "rank " << r << ": the canary past its " << what << " was overwritten at byte " << i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases.
+
+struct Case {
+  std::string name;
+  std::function<void(uint64_t seed)> run;
+};
+
+struct ReduceSpec {
+  int N, G;
+  DType dt;
+  RedOp op;
+  Algorithm alg;
+  size_t count;
+  int max_blocks = 2;
+  int threads = 32;
+  size_t ll = 0;         // ll_max_bytes
+  bool in_pool = false;  // the input lies in the pool (zero-copy)
+  bool out_pool = false;
+  bool in_place = false;
+  bool direct = false;   // nvshmem_ptr non-null across nodes
+  int calls = 2;
+  uint64_t epoch0 = 0;
+  size_t block_bytes = 1024;
+  size_t max_bytes = 4096;
+  uint64_t jump = 0;      // after the first half of the calls, advance every device epoch by this
+};
+
+template <typename T, typename Op>
+void check_results(const ReduceSpec& s, const std::vector<std::vector<T>>& ins, const std::vector<const char*>& outs,
+                   Op op) {
+  const int W = s.N * s.G;
+  const Scale sc = make_scale(s.op, W);
+  std::vector<T> col(static_cast<size_t>(W));
+  for (size_t i = 0; i < s.count; ++i) {
+    for (int r = 0; r < W; ++r) col[static_cast<size_t>(r)] = ins[static_cast<size_t>(r)][i];
+    const T want = Ref<T>::all(col, s.N, s.G, op, sc);
+    for (int r = 0; r < W; ++r) {
+      T got;
+      std::memcpy(&got, outs[static_cast<size_t>(r)] + i * sizeof(T), sizeof(T));
+      EXPECT(std::memcmp(&got, &want, sizeof(T)) == 0, "rank " << r << " element " << i << " of " << s.count
+                                                             << ": bits differ from the canonical reference");
+    }
+  }
+}
+
+template <typename T>
+void run_reduce_t(const ReduceSpec& s, uint64_t seed) {
+  Setup su;
+  su.N = s.N;
+  su.G = s.G;
+  su.max_blocks = s.max_blocks;
+  su.threads = s.threads;
+  su.ll_max_bytes = s.ll;
+  su.direct = s.direct;
+  su.seed = seed;
+  su.epoch0 = s.epoch0;
+  su.block_bytes = s.block_bytes;
+  su.max_bytes = s.max_bytes;
+  su.pool_bytes = std::max<size_t>(64 << 10, 2 * (s.count * sizeof(T) + 2 * kCanary) + 4096);
+  Exec ex(su);
+  const int W = ex.W;
+  const size_t bytes = s.count * sizeof(T);
+  std::mt19937_64 rng(seed * 7919 + 17);
+  std::vector<std::vector<char>> priv_in(static_cast<size_t>(W)), priv_out(static_cast<size_t>(W));
+  for (int call = 0; call < s.calls; ++call) {
+    if (s.jump != 0 && call == s.calls / 2)
+      for (auto& st : ex.state) st.epoch += s.jump;  // as if `jump` calls had not touched these zones
+    std::vector<std::vector<T>> ins(static_cast<size_t>(W));
+    std::vector<CallArgs> args(static_cast<size_t>(W));
+    std::vector<const char*> outs(static_cast<size_t>(W));
+    for (int r = 0; r < W; ++r) {
+      auto& v = ins[static_cast<size_t>(r)];
+      v.resize(s.count);
+      for (auto& x : v) x = random_value<T>(rng, s.op);
+      CallArgs& c = args[static_cast<size_t>(r)];
+      c.count = s.count;
+      c.dtype = s.dt;
+      c.op = s.op;
+      c.alg = s.alg;
+      char* in;
+      char* out;
+      if (s.in_pool) {
+        in = ex.pool(r);
+      } else {
+        priv_in[static_cast<size_t>(r)].assign(bytes + kCanary, 0);
+        in = priv_in[static_cast<size_t>(r)].data();
+      }
+      if (s.in_place) {
+        out = in;
+      } else if (s.out_pool) {
+        out = ex.pool(r) + align_up(bytes + kCanary, 256);
+      } else {
+        priv_out[static_cast<size_t>(r)].assign(bytes + kCanary, 0);
+        out = priv_out[static_cast<size_t>(r)].data();
+      }
+      std::memcpy(in, v.data(), bytes);
+      fill_canary(in + bytes);
+      if (out != in) {
+        std::memset(out, 0x5a, bytes);
+        fill_canary(out + bytes);
+      }
+      c.in = in;
+      c.out = out;
+      outs[static_cast<size_t>(r)] = out;
+    }
+    run_call(ex, args);
+    expect_no_errors(ex);
+    for (int r = 0; r < W; ++r) {
+      expect_canary(args[static_cast<size_t>(r)].out + bytes, r, "output");
+      if (args[static_cast<size_t>(r)].in != args[static_cast<size_t>(r)].out) expect_canary(args[static_cast<size_t>(r)].in + bytes, r, "input");
+    }
+    switch (s.op) {
+      case RedOp::kSum:
+      case RedOp::kAvg: check_results(s, ins, outs, OpSum{}); break;
+      case RedOp::kMax: check_results(s, ins, outs, OpMax{}); break;
+      case RedOp::kMin: check_results(s, ins, outs, OpMin{}); break;
+    }
+  }
+  const uint64_t nchunks_per_call = 0;  // (epochs are checked through the flags of the next call)
+  (void)nchunks_per_call;
+}
+
+void run_reduce(const ReduceSpec& s, uint64_t seed) {
+  switch (s.dt) {
+    case DType::kFloat32: run_reduce_t<float>(s, seed); return;
+    case DType::kFloat16: run_reduce_t<f16>(s, seed); return;
+    case DType::kBFloat16: run_reduce_t<bf16>(s, seed); return;
+    case DType::kInt32: run_reduce_t<int32_t>(s, seed); return;
+  }
+}
+
+std::string spec_name(const ReduceSpec& s) {
+  std::ostringstream os;
+  os << s.N << "x" << s.G << " " << dtype_name(s.dt) << " " << op_name(s.op) << " " << algorithm_name(s.alg) << " n="
+     << s.count << (s.ll ? " ll" : " put-signal") << (s.direct ? " direct" : "") << " blocks<=" << s.max_blocks << " t="
+     << s.threads << (s.in_pool ? " in-pool" : "") << (s.out_pool ? " out-pool" : "") << (s.in_place ? " in-place" : "")
+     << (s.epoch0 ? " epoch0=" + std::to_string(s.epoch0) : "") << (s.jump ? " jump=" + std::to_string(s.jump) : "");
+  return os.str();
+}
+
+// The fused all-reduce + add + RMSNorm against the host reference: the canonical sum, then
+// add_rms_norm_row (protocol/epilogue.h), the CPU executor's row function.
+template <typename T>
+void run_fused_t(int N, int G, Algorithm alg, size_t rows, size_t h, int threads, size_t ll, uint64_t seed, DType dt) {
+  Setup su;
+  su.N = N;
+  su.G = G;
+  su.threads = threads;
+  su.max_blocks = 1;
+  su.ll_max_bytes = ll;
+  su.seed = seed;
+  Exec ex(su);
+  const int W = ex.W;
+  const size_t n = rows * h;
+  const float eps = 1e-5f;
+  std::mt19937_64 rng(seed * 31 + 5);
+  std::vector<T> w(h);
+  for (auto& x : w) x = random_value<T>(rng, RedOp::kSum);
+  for (int call = 0; call < 2; ++call) {
+    std::vector<std::vector<T>> x(static_cast<size_t>(W)), res(static_cast<size_t>(W));
+    std::vector<std::vector<char>> xb(static_cast<size_t>(W)), rb(static_cast<size_t>(W));
+    std::vector<T> res_in(n);
+    for (auto& v : res_in) v = random_value<T>(rng, RedOp::kSum);
+    std::vector<gpu::FusedParams> fps(static_cast<size_t>(W));
+    for (int r = 0; r < W; ++r) {
+      x[static_cast<size_t>(r)].resize(n);
+      for (auto& v : x[static_cast<size_t>(r)]) v = random_value<T>(rng, RedOp::kSum);
+      xb[static_cast<size_t>(r)].assign(n * sizeof(T) + kCanary, 0);
+      rb[static_cast<size_t>(r)].assign(n * sizeof(T) + kCanary, 0);
+      std::memcpy(xb[static_cast<size_t>(r)].data(), x[static_cast<size_t>(r)].data(), n * sizeof(T));
+      std::memcpy(rb[static_cast<size_t>(r)].data(), res_in.data(), n * sizeof(T));
+      fill_canary(xb[static_cast<size_t>(r)].data() + n * sizeof(T));
+      fill_canary(rb[static_cast<size_t>(r)].data() + n * sizeof(T));
+      fps[static_cast<size_t>(r)] = gpu::fused_params(ex.geometry(r), ex.handles(r), reinterpret_cast<uintptr_t>(xb[static_cast<size_t>(r)].data()),
+                                                      reinterpret_cast<uintptr_t>(rb[static_cast<size_t>(r)].data()),
+                                                      reinterpret_cast<uintptr_t>(w.data()), rows, h, dt, eps, alg);
+    }
+    ex.world->launch(std::vector<int>(static_cast<size_t>(W), 1), threads,
+                     [&](int pe) { dispatch_fused(fps[static_cast<size_t>(pe)], dt); });
+    expect_no_errors(ex);
+    // Reference.
+    std::vector<T> sum(n), want_x(n), want_res(n), col(static_cast<size_t>(W));
+    for (size_t i = 0; i < n; ++i) {
+      for (int r = 0; r < W; ++r) col[static_cast<size_t>(r)] = x[static_cast<size_t>(r)][i];
+      sum[i] = Ref<T>::all(col, N, G, OpSum{}, make_scale(RedOp::kSum, 1));
+    }
+    for (size_t row = 0; row < rows; ++row)
+      add_rms_norm_row(want_x.data() + row * h, want_res.data() + row * h, sum.data() + row * h,
+                       res_in.data() + row * h, w.data(), h, eps);
+    for (int r = 0; r < W; ++r) {
+      EXPECT(std::memcmp(xb[static_cast<size_t>(r)].data(), want_x.data(), n * sizeof(T)) == 0,
+             "rank " << r << ": the normalized output differs from the host reference");
+      EXPECT(std::memcmp(rb[static_cast<size_t>(r)].data(), want_res.data(), n * sizeof(T)) == 0,
+             "rank " << r << ": the residual differs from the host reference");
+      expect_canary(xb[static_cast<size_t>(r)].data() + n * sizeof(T), r, "x");
+      expect_canary(rb[static_cast<size_t>(r)].data() + n * sizeof(T), r, "residual");
+    }
+  }
+}
+
+// Failure paths.
+
+// PE `victim` never launches. `waiter` (a rank that waits for it directly) has a short deadline,
+// the others a long one: the waiter records the timeout naming the victim, and every other rank
+// ends with the waiter's abort (across nodes through the proxy).
+void run_absent(int N, int G, int victim, int waiter, Phase phase, int step, size_t ll, uint64_t seed) {
+  Setup su;
+  su.N = N;
+  su.G = G;
+  su.ll_max_bytes = ll;
+  su.seed = seed;
+  su.max_blocks = 2;
+  su.timeout_s = 60;
+  Exec ex(su);
+  ex.timeout_s[static_cast<size_t>(waiter)] = 1.0;
+  const int W = ex.W;
+  const size_t count = 512;
+  std::vector<std::vector<float>> buf(static_cast<size_t>(W), std::vector<float>(count + kCanary / 4, 1.0f));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = count;
+    c.alg = Algorithm::kTwoShot;
+    c.in = c.out = reinterpret_cast<char*>(buf[static_cast<size_t>(r)].data());
+    c.absent = r == victim;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  run_call(ex, args);
+  ex.world->quiet();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const ErrorRecord& we = ex.err[static_cast<size_t>(waiter)];
+  EXPECT(we.code == gpu::kTimeoutCode && we.published == 1, "rank " << waiter << " should record a timeout: " << record_text(we));
+  EXPECT(we.peer == victim && we.phase == static_cast<uint32_t>(phase) && we.step == step && we.origin == waiter,
+         "rank " << waiter << "'s timeout names the wrong peer/phase/step: " << record_text(we) << " (want peer " << victim
+                 << " phase " << phase_name(phase) << " step " << step << ")");
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    if (r == victim) continue;
+    EXPECT(e.code != 0 && e.published == 1, "rank " << r << " was not aborted: " << record_text(e));
+    EXPECT(ex.state[static_cast<size_t>(r)].err_claim == e.code, "rank " << r << ": the claim " << ex.state[static_cast<size_t>(r)].err_claim
+                                                                          << " is not the recorded kind " << e.code);
+    if (r != waiter) {
+      EXPECT(e.code == gpu::kTimeoutCode && e.origin == waiter,
+             "rank " << r << " should end with rank " << waiter << "'s abort (origin " << waiter << "): " << record_text(e));
+    }
+  }
+  EXPECT(took < 30, "the abort took " << took << " s to reach every rank");
+}
+
+// Rank `odd` makes another call than the others (one field of the call description differs):
+// every rank records a failure (a mismatch where it meets the odd one, an abort elsewhere), no
+// timeout, no write past any buffer.
+struct Mismatch {
+  std::string field;
+  std::function<void(CallArgs&)> change;
+  bool half_chunk = false;  // the odd rank's rounds have half the elements (the description's n)
+};
+
+void run_mismatch(int N, int G, int odd, const Mismatch& m, size_t ll, size_t count, uint64_t seed) {
+  Setup su;
+  su.N = N;
+  su.G = G;
+  su.ll_max_bytes = ll;
+  su.seed = seed;
+  su.timeout_s = 20;
+  Exec ex(su);
+  const int W = ex.W;
+  std::vector<std::vector<char>> in(static_cast<size_t>(W)), out(static_cast<size_t>(W));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  std::vector<size_t> bytes(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = count;
+    c.dtype = DType::kFloat32;
+    c.op = RedOp::kSum;
+    c.alg = Algorithm::kTwoShot;
+    if (r == odd) m.change(c);
+    bytes[static_cast<size_t>(r)] = c.count * static_cast<size_t>(dtype_size(c.dtype));
+    in[static_cast<size_t>(r)].assign(bytes[static_cast<size_t>(r)] + kCanary, 1);
+    out[static_cast<size_t>(r)].assign(bytes[static_cast<size_t>(r)] + kCanary, 0);
+    fill_canary(in[static_cast<size_t>(r)].data() + bytes[static_cast<size_t>(r)]);
+    fill_canary(out[static_cast<size_t>(r)].data() + bytes[static_cast<size_t>(r)]);
+    c.in = in[static_cast<size_t>(r)].data();
+    c.out = out[static_cast<size_t>(r)].data();
+  }
+  std::vector<size_t> chunks(static_cast<size_t>(W), 0);
+  if (m.half_chunk) chunks[static_cast<size_t>(odd)] = ex.geo[0].cfg.max_bytes / 4 / 2;
+  run_call_chunks(ex, args, chunks);
+  ex.world->quiet();
+  int mismatches = 0;
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    EXPECT(e.code != 0 && e.published == 1, "rank " << r << " did not raise on a " << m.field << " mismatch: " << record_text(e));
+    EXPECT(e.code == gpu::kMismatchCode, "rank " << r << " raised another failure than the mismatch: " << record_text(e));
+    if (e.origin == r) ++mismatches;
+    expect_canary(in[static_cast<size_t>(r)].data() + bytes[static_cast<size_t>(r)], r, "input");
+    expect_canary(out[static_cast<size_t>(r)].data() + bytes[static_cast<size_t>(r)], r, "output");
+  }
+  EXPECT(mismatches >= 1, "no rank detected the " << m.field << " mismatch itself");
+}
+
+// The signature collision of NOTE [call description]: counts 100000 and 131409 (float32, two-shot)
+// share the 16-bit signature. The outputs lie in the pool, where local peers push their finished
+// shards: unless the full description is compared first, the rank with the larger count pushes
+// past the other's buffer. Every rank must raise a mismatch, and the canary past every pool
+// buffer must be intact.
+void run_collision(int N, int G, int odd, uint64_t seed) {
+  EXPECT(call_signature(100000, 0, 0, 1) == call_signature(131409, 0, 0, 1), "the collision is gone: pick another pair");
+  Setup su;
+  su.N = N;
+  su.G = G;
+  su.seed = seed;
+  su.timeout_s = 20;
+  su.max_blocks = 4;
+  su.max_bytes = 64 << 10;
+  su.block_bytes = 16 << 10;
+  su.pool_bytes = 131409 * 4 + 2 * kCanary + 4096;
+  Exec ex(su);
+  const int W = ex.W;
+  std::vector<std::vector<char>> in(static_cast<size_t>(W));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  std::vector<size_t> bytes(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = r == odd ? 131409 : 100000;
+    c.alg = Algorithm::kTwoShot;
+    bytes[static_cast<size_t>(r)] = c.count * 4;
+    in[static_cast<size_t>(r)].assign(bytes[static_cast<size_t>(r)], 1);
+    c.in = in[static_cast<size_t>(r)].data();
+    c.out = ex.pool(r);
+    std::memset(c.out, 0, bytes[static_cast<size_t>(r)]);
+    fill_canary(c.out + bytes[static_cast<size_t>(r)]);
+  }
+  run_call(ex, args);
+  ex.world->quiet();
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    EXPECT(e.code == gpu::kMismatchCode && e.published == 1,
+           "rank " << r << " did not raise the 100000 vs 131409 mismatch: " << record_text(e));
+    expect_canary(args[static_cast<size_t>(r)].out + bytes[static_cast<size_t>(r)], r, "pool output");
+  }
+}
+
+// A fused call on which one rank differs in h (same element count) or eps.
+void run_fused_mismatch(int G, bool h_differs, uint64_t seed) {
+  Setup su;
+  su.N = 1;
+  su.G = G;
+  su.threads = 64;
+  su.max_blocks = 1;
+  su.seed = seed;
+  su.timeout_s = 20;
+  Exec ex(su);
+  const int W = ex.W;
+  std::vector<std::vector<float>> x(static_cast<size_t>(W), std::vector<float>(256 + kCanary, 1.0f));
+  std::vector<std::vector<float>> res(static_cast<size_t>(W), std::vector<float>(256 + kCanary, 0.5f));
+  std::vector<float> w(64, 1.0f);
+  std::vector<gpu::FusedParams> fps(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    const bool odd = r == W - 1;
+    const size_t h = odd && h_differs ? 32 : 64;
+    const float eps = odd && !h_differs ? 1e-6f : 1e-5f;
+    fps[static_cast<size_t>(r)] = gpu::fused_params(ex.geometry(r), ex.handles(r), reinterpret_cast<uintptr_t>(x[static_cast<size_t>(r)].data()),
+                                                    reinterpret_cast<uintptr_t>(res[static_cast<size_t>(r)].data()),
+                                                    reinterpret_cast<uintptr_t>(w.data()), 256 / h, h, DType::kFloat32, eps,
+                                                    Algorithm::kTwoShot);
+  }
+  ex.world->launch(std::vector<int>(static_cast<size_t>(W), 1), 64,
+                   [&](int pe) { dispatch_fused(fps[static_cast<size_t>(pe)], DType::kFloat32); });
+  ex.world->quiet();
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    EXPECT(e.code == gpu::kMismatchCode && e.published == 1,
+           "rank " << r << " did not raise the fused " << (h_differs ? "h" : "eps") << " mismatch: " << record_text(e));
+  }
+}
+
+void barrier_selftest() {
+  WorldConfig wc;
+  wc.pes = 1;
+  wc.segment_bytes = 4096;
+  wc.barrier_timeout_s = 1.0;
+  World w(wc);
+  std::fprintf(stderr, "barrier self-test: thread 5 of block 0 skips a __syncthreads\n");
+  w.launch({1}, 32, [](int) {
+    if (threadIdx.x != 5) __syncthreads();
+  });
+  std::fprintf(stderr, "barrier self-test: the barrier did not abort\n");
+}
+
+std::vector<Case> make_cases(bool quick) {
+  std::vector<Case> cs;
+  auto add = [&](ReduceSpec s) {
+    if (kTsan && s.threads > 64 && s.threads < 512) s.threads = 64;  // 32-64 threads per block under TSan
+    cs.push_back(Case{"allreduce " + spec_name(s), [s](uint64_t seed) { run_reduce(s, seed); }});
+  };
+  const DType dts[4] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32};
+  const RedOp ops[4] = {RedOp::kSum, RedOp::kMax, RedOp::kMin, RedOp::kAvg};
+  // Layouts (the CPU matrix plus 4x1 and 2x3), both algorithms; LL where there are nodes.
+  const int layouts[10][2] = {{2, 1}, {1, 2}, {3, 1}, {2, 2}, {3, 2}, {2, 4}, {5, 1}, {1, 3}, {4, 1}, {2, 3}};
+  int k = 0;
+  for (const auto& l : layouts) {
+    for (Algorithm alg : {Algorithm::kTwoShot, Algorithm::kOneShot}) {
+      ReduceSpec s{l[0], l[1], dts[k % 4], ops[(k / 4 + k) % 4], alg, 0};
+      s.count = alg == Algorithm::kOneShot ? 700 + 13 * static_cast<size_t>(k % 5) : 3000 + 37 * static_cast<size_t>(k);
+      s.max_blocks = 1 + k % 3;
+      s.threads = 32 * (1 + k % 2);
+      s.in_pool = k % 3 == 1;
+      s.in_place = k % 4 == 2;
+      s.out_pool = !s.in_place && k % 3 == 2;
+      add(s);
+      if (l[0] > 1) {
+        ReduceSpec t = s;
+        t.ll = 1024;
+        t.dt = dts[(k + 1) % 4];
+        t.count = alg == Algorithm::kOneShot ? 300 : 1500;
+        add(t);
+      }
+      ++k;
+    }
+    if (quick && k >= 8) break;
+  }
+  // Every dtype x op once (2x2, two-shot, put-with-signal; LL for a few).
+  for (int d = 0; d < 4; ++d)
+    for (int o = 0; o < 4; ++o) {
+      if (quick && (d + o) % 3 != 0) continue;
+      ReduceSpec s{2, 2, dts[d], ops[o], Algorithm::kTwoShot, 1000 + 7 * static_cast<size_t>(d * 4 + o)};
+      s.ll = (d + o) % 2 ? 1024 : 0;
+      add(s);
+    }
+  // Several chunks (max_bytes 4096: a chunk of 4 KiB), up to 8 blocks of up to 128 threads.
+  {
+    ReduceSpec s{2, 2, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, 5000};
+    s.max_blocks = 8;
+    s.block_bytes = 512;
+    s.threads = 64;
+    if (!quick) add(s);  // (--quick: the 4-block bfloat16 case below has several chunks too)
+    ReduceSpec t{2, 1, DType::kBFloat16, RedOp::kSum, Algorithm::kTwoShot, 9000};
+    t.max_blocks = 4;
+    t.threads = 128;
+    t.ll = 2048;
+    add(t);
+    ReduceSpec u{3, 1, DType::kFloat32, RedOp::kMax, Algorithm::kOneShot, 2500};
+    u.max_blocks = 3;
+    u.ll = 1024;
+    add(u);
+  }
+  // The production launch shape (nvrar/settings.py GPU_LAUNCH: 16 blocks of 512 threads, a block
+  // per 32 KiB) on 2 PEs: 16,384 threads. Not under ThreadSanitizer (it cannot start 8,192).
+  if (!quick && !kTsan) {
+    ReduceSpec s{2, 1, DType::kBFloat16, RedOp::kSum, Algorithm::kTwoShot, 300000};
+    s.max_blocks = 16;
+    s.threads = 512;
+    s.block_bytes = 32 << 10;
+    s.max_bytes = 1 << 20;
+    s.calls = 1;
+    add(s);
+  }
+  // The direct-store path across nodes (nvshmem_ptr non-null everywhere).
+  for (size_t ll : {size_t{0}, size_t{1024}}) {
+    ReduceSpec s{2, 2, DType::kFloat16, RedOp::kSum, Algorithm::kTwoShot, 2222};
+    s.direct = true;
+    s.ll = ll;
+    add(s);
+    ReduceSpec t{3, 1, DType::kFloat32, RedOp::kMin, Algorithm::kOneShot, 600};
+    t.direct = true;
+    t.ll = ll;
+    add(t);
+  }
+  // The LL epoch wrap: calls cross 2^16 (the flag's 16-bit epoch), then every device epoch jumps
+  // so that the next calls reuse the first calls' LL zones at the same 16-bit epoch: a stale
+  // packet from 65,536 calls earlier would be taken for a new one unless ll_unpack zeroed it.
+  {
+    ReduceSpec s{2, 1, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, 900};
+    s.ll = 4096;
+    s.calls = 6;
+    s.epoch0 = 65533;  // calls at 65534, 65535, 65536 (16-bit epoch 0), then 65536 later
+    s.jump = 65536 - 3;
+    add(s);
+    ReduceSpec t{2, 2, DType::kInt32, RedOp::kSum, Algorithm::kOneShot, 400};
+    t.ll = 4096;
+    t.calls = 6;
+    t.epoch0 = 65534;
+    t.jump = 65536 - 3;
+    if (!quick) add(t);
+  }
+  // The fused kernel, all three dtypes.
+  struct FusedSpec { int N, G; DType dt; Algorithm alg; size_t rows, h; size_t ll; };
+  const FusedSpec fs[] = {{2, 2, DType::kFloat32, Algorithm::kTwoShot, 7, 100, 0},
+                          {2, 1, DType::kFloat16, Algorithm::kTwoShot, 5, 64, 1024},
+                          {1, 3, DType::kBFloat16, Algorithm::kTwoShot, 9, 48, 0},
+                          {2, 2, DType::kBFloat16, Algorithm::kOneShot, 3, 70, 1024},
+                          {3, 1, DType::kFloat32, Algorithm::kOneShot, 2, 33, 0},
+                          {1, 2, DType::kFloat16, Algorithm::kOneShot, 4, 129, 0}};
+  for (const auto& f : fs) {
+    std::ostringstream os;
+    os << "fused " << f.N << "x" << f.G << " " << dtype_name(f.dt) << " " << algorithm_name(f.alg) << " rows=" << f.rows
+       << " h=" << f.h << (f.ll ? " ll" : "");
+    cs.push_back(Case{os.str(), [f](uint64_t seed) {
+                        switch (f.dt) {
+                          case DType::kFloat32: run_fused_t<float>(f.N, f.G, f.alg, f.rows, f.h, 64, f.ll, seed, f.dt); break;
+                          case DType::kFloat16: run_fused_t<f16>(f.N, f.G, f.alg, f.rows, f.h, 64, f.ll, seed, f.dt); break;
+                          default: run_fused_t<bf16>(f.N, f.G, f.alg, f.rows, f.h, 64, f.ll, seed, f.dt); break;
+                        }
+                      }});
+  }
+  // Failure paths: a PE that never arrives (in-node, across nodes with LL and with puts).
+  cs.push_back(Case{"timeout 1x2: rank 1 never arrives", [](uint64_t seed) {
+                      run_absent(1, 2, 1, 0, Phase::kReduceScatter, 0, 0, seed);
+                    }});
+  cs.push_back(Case{"timeout+remote abort 4x1: rank 3 never arrives (put-signal)", [](uint64_t seed) {
+                      run_absent(4, 1, 3, 2, Phase::kInterNode, 0, 0, seed);
+                    }});
+  cs.push_back(Case{"timeout+remote abort 5x1: rank 4 never arrives (LL)", [](uint64_t seed) {
+                      run_absent(5, 1, 4, 0, Phase::kInterNode, 0, 1024, seed);
+                    }});
+  cs.push_back(Case{"timeout+abort 2x2: rank 3 never arrives", [](uint64_t seed) {
+                      run_absent(2, 2, 3, 2, Phase::kReduceScatter, 0, 0, seed);
+                    }});
+  // Call mismatches, one field at a time.
+  const Mismatch ms[] = {
+      {"count", [](CallArgs& c) { c.count += 16; }},
+      {"dtype", [](CallArgs& c) { c.dtype = DType::kInt32; }},
+      {"op", [](CallArgs& c) { c.op = RedOp::kMax; }},
+      {"algorithm", [](CallArgs& c) { c.alg = Algorithm::kOneShot; }},
+      {"round elements (n)", [](CallArgs&) {}, true},
+  };
+  for (const auto& m : ms) {
+    cs.push_back(Case{"mismatch 2x2 " + m.field, [m](uint64_t seed) { run_mismatch(2, 2, 1, m, 0, 1000, seed); }});
+    if (!m.half_chunk)  // across nodes only the 16-bit signature is compared (NOTE [gpu call description])
+      cs.push_back(Case{"mismatch 2x1 ll " + m.field, [m](uint64_t seed) { run_mismatch(2, 1, 1, m, 1024, 200, seed); }});
+  }
+  cs.push_back(Case{"mismatch 1x2 collision 100000 vs 131409 (pool outputs, canary)",
+                    [](uint64_t seed) { run_collision(1, 2, 1, seed); }});
+  cs.push_back(Case{"mismatch 2x2 collision 100000 vs 131409 (pool outputs, canary)",
+                    [](uint64_t seed) { run_collision(2, 2, 1, seed); }});
+  cs.push_back(Case{"mismatch 1x2 fused h (same element count)", [](uint64_t seed) { run_fused_mismatch(2, true, seed); }});
+  cs.push_back(Case{"mismatch 1x3 fused eps", [](uint64_t seed) { run_fused_mismatch(3, false, seed); }});
+  return cs;
+}
+
+}  // namespace
+}  // namespace emu
+}  // namespace nvrar
+
+int main(int argc, char** argv) {
+  using namespace nvrar::emu;
+  bool quick = false, list = false;
+  int repeat = 1;
+  double case_timeout_s = kTsan ? 600 : 300;
+  uint64_t seed = 0;
+  bool seed_set = false;
+  std::vector<std::string> only;
+  std::vector<std::string> production;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--list") {
+      list = true;
+    } else if (a == "--seed" && i + 1 < argc) {
+      seed = std::strtoull(argv[++i], nullptr, 10);
+      seed_set = true;
+    } else if (a == "--only" && i + 1 < argc) {
+      only.push_back(argv[++i]);
+    } else if (a == "--case-timeout" && i + 1 < argc) {
+      case_timeout_s = std::atof(argv[++i]);
+    } else if (a == "--repeat" && i + 1 < argc) {
+      repeat = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--barrier-selftest") {
+      barrier_selftest();
+      return 1;
+    } else {
+      std::fprintf(stderr, "usage: %s [--quick] [--seed N] [--only SUBSTRING]... [--repeat K] [--case-timeout S] [--list] [--barrier-selftest]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (!seed_set) seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) % 1000000;
+  std::vector<Case> cases = make_cases(quick);
+  int passed = 0, failed = 0;
+  // A watchdog: a case that does not finish in time (a hang the emulation's deadlines did not
+  // catch, or ThreadSanitizer's runtime stuck in a report) ends the run with its name.
+  std::mutex wd_mu;
+  std::condition_variable wd_cv;
+  std::string wd_case;
+  uint64_t wd_gen = 0;
+  bool wd_stop = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(wd_mu);
+    while (!wd_stop) {
+      const uint64_t g = wd_gen;
+      if (!wd_cv.wait_for(lock, std::chrono::duration<double>(case_timeout_s), [&] { return wd_stop || wd_gen != g; }) &&
+          !wd_case.empty()) {
+        std::printf("FAIL %s: no result after %.0f s (a hang)\n", wd_case.c_str(), case_timeout_s);
+        std::printf("emulated device: %d cases passed, %d failed (tsan: %s)\n", passed, failed + 1, kTsan ? "on" : "off");
+        std::fflush(stdout);
+        std::_Exit(1);
+      }
+    }
+  });
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    if (!only.empty() && std::none_of(only.begin(), only.end(), [&](const std::string& o) { return c.name.find(o) != std::string::npos; }))
+      continue;
+    if (list) {
+      std::printf("%s\n", c.name.c_str());
+      continue;
+    }
+    for (int rep = 0; rep < repeat; ++rep) {
+    const uint64_t s = seed + i + 1000003ull * static_cast<uint64_t>(rep);
+    {
+      std::lock_guard<std::mutex> lock(wd_mu);
+      wd_case = c.name;
+      ++wd_gen;
+      wd_cv.notify_all();
+    }
+    const int reports0 = g_tsan_reports;
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string why;
+    try {
+      c.run(s);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (why.empty() && g_tsan_reports != reports0) why = std::to_string(g_tsan_reports - reports0) + " ThreadSanitizer report(s)";
+    if (why.empty()) {
+      ++passed;
+      std::printf("PASS %s (%.2f s)\n", c.name.c_str(), dt);
+    } else {
+      ++failed;
+      std::printf("FAIL %s (%.2f s, seed %llu): %s\n", c.name.c_str(), dt, static_cast<unsigned long long>(s), why.c_str());
+    }
+    std::fflush(stdout);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(wd_mu);
+    wd_stop = true;
+    wd_cv.notify_all();
+  }
+  watchdog.join();
+  if (list) return 0;
+  std::printf("emulated device: %d cases passed, %d failed (tsan: %s)\n", passed, failed, kTsan ? "on" : "off");
+  return failed == 0 && passed > 0 ? 0 : 1;
+}

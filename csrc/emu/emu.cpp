@@ -1,0 +1,537 @@
+// The host emulation of the device primitives (prim_emu.h) and of NVSHMEM's device calls: threads,
+// blocks, barriers with deadlines, warps, the fence model for ThreadSanitizer, the PEs' symmetric
+// segments and the adversarial proxy.
+#include "emu.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "prim_emu.h"
+
+#if defined(__SANITIZE_THREAD__)
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
+
+namespace nvrar {
+namespace emu {
+
+namespace {
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "emulated device: %s\n", what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+using Clock = std::chrono::steady_clock;
+
+// A barrier of n threads whose wait has a deadline: a barrier that not every thread reaches is a
+// bug of the device code (divergent __syncthreads) and ends the process with the missing threads.
+class Barrier {
+ public:
+  void init(int n, double timeout_s, std::string where) {
+    n_ = n;
+    timeout_s_ = timeout_s;
+    where_ = std::move(where);
+    in_.assign(static_cast<size_t>(n), 0);
+  }
+  void wait(int me, const char* what) {
+    std::unique_lock<std::mutex> lock(mu_);
+    in_[static_cast<size_t>(me)] = 1;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      std::fill(in_.begin(), in_.end(), 0);
+      cv_.notify_all();
+      return;
+    }
+    const uint64_t g = gen_;
+    const auto until = Clock::now() + std::chrono::duration<double>(timeout_s_);
+    if (!cv_.wait_until(lock, until, [&] { return gen_ != g; })) {
+      std::ostringstream os;
+      os << where_ << ": " << what << " not reached by every thread within " << timeout_s_ << " s (" << arrived_
+         << " of " << n_ << " arrived); missing thread(s):";
+      int listed = 0;
+      for (int t = 0; t < n_ && listed < 16; ++t)
+        if (!in_[static_cast<size_t>(t)]) {
+          os << " " << t;
+          ++listed;
+        }
+      die(os.str());
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_ = 0;
+  int arrived_ = 0;
+  uint64_t gen_ = 0;
+  double timeout_s_ = 60;
+  std::string where_;
+  std::vector<char> in_;
+};
+
+constexpr size_t kSharedBytes = 48 * 1024;  // static shared memory per block, as on the GPU
+
+struct Warp {
+  Barrier bar;
+  uint32_t lanes[32];
+};
+
+struct Block {
+  int pe = 0;
+  int b = 0;
+  Barrier bar;
+  std::vector<std::unique_ptr<Warp>> warps;
+  alignas(64) unsigned char smem[kSharedBytes];
+};
+
+struct ThreadCtx {
+  World::Impl* world = nullptr;
+  Block* block = nullptr;
+  int pe = 0;
+  size_t smem_cursor = 0;
+#if defined(__SANITIZE_THREAD__)
+  bool armed = false;              // a fence was passed since the last barrier (NOTE [tsan fences])
+  const void* loaded[64] = {};     // relaxed atomic loads since the last fence
+  unsigned nloaded = 0;
+#endif
+};
+
+thread_local ThreadCtx t_ctx;
+
+ThreadCtx& ctx() {
+  if (t_ctx.world == nullptr) die("a device primitive was called outside an emulated kernel");
+  return t_ctx;
+}
+
+}  // namespace
+
+// NOTE [adversarial proxy]: every put to a PE that nvshmem_ptr cannot reach is queued and delivered
+// by one proxy thread, with only the guarantees NVSHMEM documents:
+//   - a put's data arrives in pieces (8 to 256 bytes, on 8-byte boundaries, each 8-byte word
+//     single-copy atomic: an LL packet lands whole), the pieces in random order;
+//   - a put-with-signal's signal lands after all of its data;
+//   - operations from one PE to one PE are ordered only across nvshmem_fence: the proxy may deliver
+//     an operation issued later before an earlier one, unless a fence separates them;
+//   - random delays between deliveries.
+// The proxy's choices come from one seeded generator (WorldConfig::seed), which a failing case
+// prints. Thread scheduling is not reproducible; the proxy's decisions given the same queue are.
+struct PutOp {
+  int src = 0;
+  int dst = 0;
+  uint64_t gen = 0;    // the source PE's fence count when issued
+  uint64_t seq = 0;    // issue order (for the reorder statistic)
+  char* to = nullptr;  // destination (in the target PE's segment)
+  std::vector<unsigned char> data;
+  std::vector<std::pair<size_t, size_t>> pieces;  // [offset, length) still to deliver
+  uint64_t* sig = nullptr;
+  uint64_t sigval = 0;
+};
+
+struct World::Impl {
+  WorldConfig cfg;
+  std::vector<char*> segs;
+  // The proxy.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::condition_variable idle_cv;
+  std::deque<PutOp> ops;
+  std::vector<uint64_t> fence_gen;
+  uint64_t seq = 0;
+  bool stop = false;
+  bool busy = false;
+  ProxyStats st;
+  std::mt19937_64 rng;
+  std::thread proxy;
+
+  int node_of(int pe) const { return pe / cfg.G; }
+  bool reachable(int from, int to) const { return cfg.direct_remote || node_of(from) == node_of(to); }
+
+  // The same offset in PE `pe`'s segment as `p` has in mine (symmetric addresses).
+  char* translate(const void* p, size_t bytes, int me, int pe, const char* what) const {
+    if (pe < 0 || pe >= cfg.pes) die(std::string(what) + ": PE " + std::to_string(pe) + " does not exist");
+    const char* base = segs[static_cast<size_t>(me)];
+    const char* c = static_cast<const char*>(p);
+    if (c < base || c + bytes > base + cfg.segment_bytes) {
+      std::ostringstream os;
+      os << what << " on PE " << me << ": address " << p << " (+" << bytes
+         << " bytes) is outside its symmetric segment";
+      die(os.str());
+    }
+    return segs[static_cast<size_t>(pe)] + (c - base);
+  }
+
+  void deliver_piece(PutOp& op, size_t k) {
+    const size_t off = op.pieces[k].first, len = op.pieces[k].second;
+    char* d = op.to + off;
+    const unsigned char* s = op.data.data() + off;
+    size_t i = 0;
+    while (i < len) {
+      if ((reinterpret_cast<uintptr_t>(d + i) & 7) == 0 && len - i >= 8) {
+        uint64_t w;
+        std::memcpy(&w, s + i, 8);
+        std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(d + i)).store(w, std::memory_order_relaxed);
+        i += 8;
+      } else {
+        std::atomic_ref<unsigned char>(*reinterpret_cast<unsigned char*>(d + i)).store(s[i], std::memory_order_relaxed);
+        ++i;
+      }
+    }
+    op.pieces[k] = op.pieces.back();
+    op.pieces.pop_back();
+    ++st.pieces;
+  }
+
+  void run_proxy() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return stop || !ops.empty(); });
+      if (ops.empty() && stop) return;
+      busy = true;
+      // Eligible: no earlier-fenced operation from the same source to the same target pending.
+      std::vector<size_t> eligible;
+      for (size_t i = 0; i < ops.size(); ++i) {
+        bool ok = true;
+        for (size_t j = 0; j < ops.size() && ok; ++j)
+          ok = !(ops[j].src == ops[i].src && ops[j].dst == ops[i].dst && ops[j].gen < ops[i].gen);
+        if (ok) eligible.push_back(i);
+      }
+      // Adversarial: mostly the latest-issued eligible operation (overtaking what NVSHMEM does
+      // not order), else any.
+      size_t i = eligible.back();
+      if ((rng() & 3) == 0) i = eligible[std::uniform_int_distribution<size_t>(0, eligible.size() - 1)(rng)];
+      PutOp& op = ops[i];
+      if (op.seq != ops.front().seq) ++st.reordered;
+      bool op_done_signal = false;
+      if (!op.pieces.empty()) {
+        deliver_piece(op, std::uniform_int_distribution<size_t>(0, op.pieces.size() - 1)(rng));
+      } else {
+        if (op.sig != nullptr) {
+          std::atomic_ref<uint64_t>(*op.sig).store(op.sigval, std::memory_order_release);
+          ++st.signals;
+          op_done_signal = true;
+        }
+        ops.erase(ops.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      // Random delays: short ones between pieces, longer ones after a signal (so that a poller
+      // sees one signal well before the next).
+      const bool signalled = op_done_signal;
+      const int cap = signalled ? 20 * cfg.max_delay_us : cfg.max_delay_us;
+      const bool pause = cap > 0 && (signalled ? (rng() & 1) == 0 : (rng() & 3) == 0);
+      const int delay = pause ? std::uniform_int_distribution<int>(1, cap)(rng) : 0;
+      if (ops.empty()) {
+        busy = false;
+        idle_cv.notify_all();
+      }
+      if (delay > 0) {
+        lock.unlock();
+        std::this_thread::sleep_for(std::chrono::microseconds(delay));
+        lock.lock();
+      }
+    }
+  }
+
+  void enqueue(int src, int dst, char* to, const void* data, size_t bytes, uint64_t* sig, uint64_t sigval) {
+    std::lock_guard<std::mutex> lock(mu);
+    PutOp op;
+    op.src = src;
+    op.dst = dst;
+    op.gen = fence_gen[static_cast<size_t>(src)];
+    op.seq = seq++;
+    op.to = to;
+    op.data.assign(static_cast<const unsigned char*>(data), static_cast<const unsigned char*>(data) + bytes);
+    for (size_t off = 0; off < bytes;) {
+      size_t len = 8 * std::uniform_int_distribution<size_t>(1, 32)(rng);
+      const size_t misalign = reinterpret_cast<uintptr_t>(to + off) & 7;
+      if (misalign != 0) len = 8 - misalign;
+      len = std::min(len, bytes - off);
+      op.pieces.emplace_back(off, len);
+      off += len;
+    }
+    op.sig = sig;
+    op.sigval = sigval;
+    if (bytes > 0) ++st.puts;
+    ops.push_back(std::move(op));
+    cv.notify_one();
+  }
+};
+
+World::World(const WorldConfig& cfg) : impl_(new Impl) {
+  Impl& I = *impl_;
+  I.cfg = cfg;
+  if (cfg.pes < 1 || cfg.G < 1 || cfg.pes % cfg.G != 0) die("bad world: pes must be a multiple of G");
+  for (int p = 0; p < cfg.pes; ++p) {
+    char* s = static_cast<char*>(std::aligned_alloc(4096, (cfg.segment_bytes + 4095) / 4096 * 4096));
+    if (s == nullptr) die("cannot allocate a segment");
+    std::memset(s, 0, cfg.segment_bytes);
+    I.segs.push_back(s);
+  }
+  I.fence_gen.assign(static_cast<size_t>(cfg.pes), 0);
+  I.rng.seed(cfg.seed);
+  I.proxy = std::thread([&I] { I.run_proxy(); });
+}
+
+World::~World() {
+  Impl& I = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(I.mu);
+    I.stop = true;
+    I.cv.notify_all();
+  }
+  I.proxy.join();
+  for (char* s : I.segs) std::free(s);
+}
+
+const WorldConfig& World::config() const { return impl_->cfg; }
+char* World::segment(int pe) const { return impl_->segs[static_cast<size_t>(pe)]; }
+
+ProxyStats World::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->st;
+}
+
+void World::quiet() {
+  Impl& I = *impl_;
+  std::unique_lock<std::mutex> lock(I.mu);
+  const auto until = Clock::now() + std::chrono::duration<double>(I.cfg.barrier_timeout_s);
+  if (!I.idle_cv.wait_until(lock, until, [&] { return I.ops.empty() && !I.busy; }))
+    die("the proxy did not drain its queue in time");
+}
+
+namespace {
+
+struct ThreadArg {
+  World::Impl* world;
+  Block* block;
+  int pe, b, t, blocks, threads;
+  const std::function<void(int)>* kernel;
+};
+
+void* thread_main(void* p) {
+  const ThreadArg& a = *static_cast<ThreadArg*>(p);
+  t_ctx = ThreadCtx{};
+  t_ctx.world = a.world;
+  t_ctx.block = a.block;
+  t_ctx.pe = a.pe;
+  threadIdx = uint3{static_cast<unsigned>(a.t), 0, 0};
+  blockIdx = uint3{static_cast<unsigned>(a.b), 0, 0};
+  blockDim = uint3{static_cast<unsigned>(a.threads), 1, 1};
+  gridDim = uint3{static_cast<unsigned>(a.blocks), 1, 1};
+  (*a.kernel)(a.pe);
+  t_ctx = ThreadCtx{};
+  return nullptr;
+}
+
+}  // namespace
+
+void World::launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel) {
+  Impl& I = *impl_;
+  const int pes = I.cfg.pes;
+  if (static_cast<int>(blocks.size()) != pes || threads < 32 || threads % 32 != 0)
+    die("launch: one block count per PE and a multiple of 32 threads");
+  std::vector<std::unique_ptr<Block>> blk;
+  for (int pe = 0; pe < pes; ++pe)
+    for (int b = 0; b < blocks[static_cast<size_t>(pe)]; ++b) {
+      auto k = std::make_unique<Block>();
+      k->pe = pe;
+      k->b = b;
+      const std::string where = "PE " + std::to_string(pe) + " block " + std::to_string(b);
+      k->bar.init(threads, I.cfg.barrier_timeout_s, where);
+      for (int w = 0; w < threads / 32; ++w) {
+        k->warps.push_back(std::make_unique<Warp>());
+        k->warps.back()->bar.init(32, I.cfg.barrier_timeout_s, where + " warp " + std::to_string(w));
+      }
+      std::memset(k->smem, 0xa5, sizeof(k->smem));  // shared memory starts as garbage
+      blk.push_back(std::move(k));
+    }
+  size_t n = 0;
+  for (int pe = 0; pe < pes; ++pe) n += static_cast<size_t>(blocks[static_cast<size_t>(pe)]) * threads;
+  std::vector<ThreadArg> args(n);
+  std::vector<pthread_t> tids(n);
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+#if defined(__SANITIZE_THREAD__)
+  pthread_attr_setstacksize(&attr, 512 * 1024);
+#else
+  pthread_attr_setstacksize(&attr, 256 * 1024);
+#endif
+  size_t k = 0, bi = 0;
+  for (int pe = 0; pe < pes; ++pe)
+    for (int b = 0; b < blocks[static_cast<size_t>(pe)]; ++b, ++bi)
+      for (int t = 0; t < threads; ++t, ++k) {
+        args[k] = ThreadArg{&I, blk[bi].get(), pe, b, t, blocks[static_cast<size_t>(pe)], threads, &kernel};
+        const int rc = pthread_create(&tids[k], &attr, thread_main, &args[k]);
+        if (rc != 0) die("cannot start emulated thread " + std::to_string(k) + " of " + std::to_string(n) + ": " +
+                         std::strerror(rc));
+      }
+  pthread_attr_destroy(&attr);
+  for (size_t j = 0; j < n; ++j) pthread_join(tids[j], nullptr);
+}
+
+// The primitives.
+
+void* block_shared(size_t bytes, size_t align) {
+  ThreadCtx& c = ctx();
+  c.smem_cursor = (c.smem_cursor + align - 1) / align * align;
+  if (c.smem_cursor + bytes > kSharedBytes) die("more than 48 KiB of static shared memory");
+  void* p = c.block->smem + c.smem_cursor;
+  c.smem_cursor += bytes;
+  return p;
+}
+
+void syncthreads() {
+  ThreadCtx& c = ctx();
+  c.block->bar.wait(static_cast<int>(threadIdx.x), "__syncthreads");
+#if defined(__SANITIZE_THREAD__)
+  c.armed = false;
+#endif
+}
+
+void warp_exchange(uint32_t v, uint32_t* lanes) {
+  ThreadCtx& c = ctx();
+  Warp& w = *c.block->warps[threadIdx.x / 32];
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  w.lanes[lane] = v;
+  w.bar.wait(lane, "a warp shuffle (full mask)");
+  std::memcpy(lanes, w.lanes, sizeof(w.lanes));
+  w.bar.wait(lane, "a warp shuffle (full mask)");
+}
+
+// NOTE [tsan fences]: ThreadSanitizer ignores std::atomic_thread_fence, so the synchronization
+// that a fence gives a relaxed atomic is modelled by hand (C++ [atomics.fences]): a release fence
+// followed by a relaxed store (or read-modify-write) to X releases at X; a relaxed load (or RMW)
+// of X followed by an acquire fence acquires from X. __threadfence is both. A fence covers what
+// the thread had seen when it passed it: a block barrier after it brings in other threads' writes
+// that the fence does not order, so a barrier disarms it (the store after it is then plain relaxed
+// again, and a missing fence or release shows as a race).
+void fence(bool) {
+#if defined(__SANITIZE_THREAD__)
+  ThreadCtx& c = t_ctx;
+  const unsigned n = std::min<unsigned>(c.nloaded, 64);
+  for (unsigned i = 0; i < n; ++i) __tsan_acquire(const_cast<void*>(c.loaded[i]));
+  c.nloaded = 0;
+  c.armed = true;
+#endif
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+#if defined(__SANITIZE_THREAD__)
+void tsan_store(const void* p) {
+  if (t_ctx.armed) __tsan_release(const_cast<void*>(p));
+}
+void tsan_load(const void* p) {
+  ThreadCtx& c = t_ctx;
+  c.loaded[c.nloaded % 64] = p;
+  ++c.nloaded;
+}
+#endif
+
+// A real sleep, much longer than asked: thousands of emulated threads poll on a few cores, and
+// the threads they wait for (and the proxy) must get the CPU.
+void nanosleep(unsigned) { std::this_thread::sleep_for(std::chrono::microseconds(200)); }
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count());
+}
+
+}  // namespace emu
+}  // namespace nvrar
+
+using nvrar::emu::ctx;
+using nvrar::emu::die;
+
+void* nvshmem_ptr(const void* dest, int pe) {
+  auto& c = ctx();
+  char* p = c.world->translate(dest, 0, c.pe, pe, "nvshmem_ptr");
+  return c.world->reachable(c.pe, pe) ? p : nullptr;
+}
+
+namespace {
+
+// The block's threads copy bytes to a load/store reachable PE: 8-byte words single-copy atomic.
+void block_copy(char* to, const char* from, size_t bytes) {
+  const size_t words = (reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from)) % 8 == 0 ? bytes / 8 : 0;
+  for (size_t i = threadIdx.x; i < words; i += blockDim.x) {
+    uint64_t w;
+    std::memcpy(&w, from + 8 * i, 8);
+    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(to + 8 * i)).store(w, std::memory_order_relaxed);
+  }
+  for (size_t i = words * 8 + threadIdx.x; i < bytes; i += blockDim.x)
+    std::atomic_ref<char>(to[i]).store(from[i], std::memory_order_relaxed);
+}
+
+void put_block(void* dest, const void* source, size_t bytes, uint64_t* sig_addr, uint64_t signal, int pe,
+               const char* what) {
+  auto& c = ctx();
+  char* to = c.world->translate(dest, bytes, c.pe, pe, what);
+  uint64_t* sig = sig_addr != nullptr
+                      ? reinterpret_cast<uint64_t*>(c.world->translate(sig_addr, 8, c.pe, pe, what))
+                      : nullptr;
+  __syncthreads();  // the source is complete
+  if (c.world->reachable(c.pe, pe)) {
+    block_copy(to, static_cast<const char*>(source), bytes);
+    __syncthreads();
+    if (threadIdx.x == 0 && sig != nullptr) {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      std::atomic_ref<uint64_t>(*sig).store(signal, std::memory_order_release);
+    }
+  } else if (threadIdx.x == 0) {
+    c.world->enqueue(c.pe, pe, to, source, bytes, sig, signal);
+  }
+  __syncthreads();
+}
+
+}  // namespace
+
+void nvshmemx_putmem_signal_nbi_block(void* dest, const void* source, size_t bytes, uint64_t* sig_addr,
+                                      uint64_t signal, int sig_op, int pe) {
+  if (sig_op != NVSHMEM_SIGNAL_SET) die("only NVSHMEM_SIGNAL_SET is emulated");
+  put_block(dest, source, bytes, sig_addr, signal, pe, "nvshmemx_putmem_signal_nbi_block");
+}
+
+void nvshmemx_putmem_nbi_block(void* dest, const void* source, size_t bytes, int pe) {
+  put_block(dest, source, bytes, nullptr, 0, pe, "nvshmemx_putmem_nbi_block");
+}
+
+void nvshmemx_signal_op(uint64_t* sig_addr, uint64_t signal, int sig_op, int pe) {
+  if (sig_op != NVSHMEM_SIGNAL_SET) die("only NVSHMEM_SIGNAL_SET is emulated");
+  auto& c = ctx();
+  uint64_t* sig = reinterpret_cast<uint64_t*>(c.world->translate(sig_addr, 8, c.pe, pe, "nvshmemx_signal_op"));
+  if (c.world->reachable(c.pe, pe))
+    std::atomic_ref<uint64_t>(*sig).store(signal, std::memory_order_release);
+  else
+    c.world->enqueue(c.pe, pe, nullptr, nullptr, 0, sig, signal);
+}
+
+void nvshmem_fence() {
+  auto& c = ctx();
+  std::lock_guard<std::mutex> lock(c.world->mu);
+  ++c.world->fence_gen[static_cast<size_t>(c.pe)];
+}
+
+void nvshmem_uint64_wait_until(uint64_t* ivar, int cmp, uint64_t cmp_value) {
+  if (cmp != NVSHMEM_CMP_GE) die("only NVSHMEM_CMP_GE is emulated");
+  auto& c = ctx();
+  const uint64_t start = nvrar::emu::now_ns();
+  const uint64_t limit = static_cast<uint64_t>(c.world->cfg.barrier_timeout_s * 1e9);
+  while (std::atomic_ref<uint64_t>(*ivar).load(std::memory_order_acquire) < cmp_value) {
+    if (nvrar::emu::now_ns() - start > limit) die("nvshmem_uint64_wait_until: the value never came");
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}

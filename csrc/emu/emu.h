@@ -1,0 +1,57 @@
+// The emulated device as a driver sees it (csrc/emu/driver.cpp): a world of PEs (thread groups of
+// this process, each with a symmetric segment), kernel launches that start one OS thread per CUDA
+// thread, and the adversarial NVSHMEM proxy. The device code sees only prim_emu.h.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace nvrar {
+namespace emu {
+
+struct WorldConfig {
+  int pes = 1;
+  int G = 1;                      // PEs per emulated node: nvshmem_ptr is non-null inside a node
+  bool direct_remote = false;     // nvshmem_ptr non-null across nodes too (the direct-store path)
+  uint64_t seed = 1;              // the proxy's choices (order, pieces, delays)
+  double barrier_timeout_s = 60;  // a __syncthreads that not every thread reaches aborts after this
+  int max_delay_us = 30;          // the proxy's random delays, at most this long
+  size_t segment_bytes = 0;       // every PE's symmetric segment, zeroed
+};
+
+struct ProxyStats {
+  uint64_t puts = 0;
+  uint64_t pieces = 0;
+  uint64_t signals = 0;
+  uint64_t reordered = 0;  // deliveries that overtook an earlier-issued operation
+};
+
+class World {
+ public:
+  explicit World(const WorldConfig& cfg);
+  ~World();
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+
+  const WorldConfig& config() const;
+  char* segment(int pe) const;
+  // Runs kernel(pe) in blocks[pe] x threads OS threads for every PE at once (blocks[pe] == 0: PE pe
+  // launches nothing, it never arrives), and returns when every thread has returned (the proxy
+  // keeps delivering in the background).
+  void launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel);
+  // Until the proxy delivered everything issued so far.
+  void quiet();
+  ProxyStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace emu
+}  // namespace nvrar

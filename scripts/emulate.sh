@@ -1,0 +1,219 @@
+#!/usr/bin/env bash
+# The GPU executor's device code on emulated PEs (csrc/emu, docs/gpu/emulation.md): builds the
+# emulated device driver from csrc/ with the host compiler (no nvcc, no GPU) and runs the suite.
+#
+#   scripts/emulate.sh [--tsan] [--quick] [--seed N] [--only SUBSTRING]...
+#   scripts/emulate.sh --mutations [--seed N]
+#   scripts/emulate.sh --coverage [--quick] [--seed N]
+#
+# --tsan       build and run under ThreadSanitizer (fence model: csrc/emu/emu.cpp); a report fails
+#              its case
+# --quick      a smaller set of cases (every layout and path at least once)
+# --seed N     the proxy's and the data's seed (default: from the clock; a failure prints its seed)
+# --mutations  builds each mutant of the device code (a deliberate ordering or protocol bug, made
+#              on a copy of the sources: the GPU build never sees one) and asserts that the suite
+#              catches it; one line per mutation, exit 0 only if every one is caught
+# --coverage   builds with gcov instrumentation, runs the suite and prints the line coverage of
+#              device.cuh, allreduce_kernel.cuh and fused_kernel.cuh (the lines not run, listed)
+# Exit status 0 only if every case passes; the last line is
+#   emulated device: N cases passed, M failed (tsan: on|off)
+# Environment: CXX (default g++), NVRAR_BUILD_JOBS (parallel compiles, default 2), NVRAR_EMU_BUILD
+# (build folder, default build/emu).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+tsan=0 quick=0 mutations=0 coverage=0 seed="" only=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tsan) tsan=1 ;;
+    --quick) quick=1 ;;
+    --mutations) mutations=1 ;;
+    --coverage) coverage=1 ;;
+    --seed) seed=${2:?--seed needs a number}; shift ;;
+    --only) only+=(--only "${2:?--only needs a substring}"); shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "emulate.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+cxx=${CXX:-g++}
+jobs=${NVRAR_BUILD_JOBS:-2}
+build=${NVRAR_EMU_BUILD:-$root/build/emu}
+command -v "$cxx" >/dev/null || { echo "emulate.sh: no C++ compiler ($cxx)" >&2; exit 3; }
+[ -n "$seed" ] || seed=$(( $(date +%s) % 1000000 ))
+
+base_flags=(-std=c++20 -DNVRAR_EMULATE -ffp-contract=off -fno-strict-aliasing -pthread
+            -Wall -Wextra -Wno-unused-parameter -Wno-unknown-pragmas -Werror)
+plain_flags=(-O1)
+tsan_flags=(-O1 -g -fsanitize=thread -Wno-tsan)  # fences: modelled by hand (NOTE [tsan fences])
+
+# build DIR CSRC MINIMAL FLAGS...: the driver in DIR/emulate_driver.
+build_driver() {
+  local dir=$1 inc=$2 minimal=$3; shift 3
+  mkdir -p "$dir"
+  local extra=("$@") cmds=() types=(float f16 bf16 int32_t)
+  [ "$minimal" = 1 ] && { extra+=(-DNVRAR_EMU_MINIMAL); types=(float); }
+  for t in "${types[@]}"; do
+    local int=0; [ "$t" = int32_t ] && int=1
+    cmds+=("$dir/k_$t.o|$inc/emu/kernels_inst.cpp|-DNVRAR_INST_T=$t -DNVRAR_INST_INT=$int")
+  done
+  cmds+=("$dir/emu.o|$inc/emu/emu.cpp|" "$dir/driver.o|$inc/emu/driver.cpp|")
+  printf '%s\n' "${cmds[@]}" | NVRAR_EMU_FLAGS="${extra[*]}" NVRAR_EMU_INC="$inc" NVRAR_EMU_KEEP="${NVRAR_EMU_KEEP:-}" xargs -P "$jobs" -I{} bash -c '
+    IFS="|" read -r out src defs <<<"$1"
+    # shellcheck disable=SC2086
+    compile "$out" "$src" "$NVRAR_EMU_INC" $NVRAR_EMU_FLAGS $defs' _ {} ||
+    return 1
+  "$cxx" -pthread "${extra[@]}" "$dir"/*.o -o "$dir/emulate_driver"
+}
+base_flags_s="${base_flags[*]}"
+export cxx base_flags_s
+# compile OUT SRC CSRC_ROOT FLAGS...: one object, rebuilt when a source under CSRC_ROOT is newer.
+compile() {
+  local out=$1 src=$2 inc=$3; shift 3
+  # NVRAR_EMU_KEEP: objects that do not include the device code, kept as they are (mutants).
+  if [ -f "$out" ] && [[ " ${NVRAR_EMU_KEEP:-} " == *" $(basename "$out") "* ]]; then return 0; fi
+  if [ -f "$out" ] && [ -z "$(find "$inc" "$src" -newer "$out" \( -name '*.h' -o -name '*.cuh' -o -name '*.cpp' \) -print -quit)" ]; then
+    return 0
+  fi
+  # shellcheck disable=SC2086
+  "$cxx" $base_flags_s "$@" -I"$inc" -c "$src" -o "$out.tmp" && mv "$out.tmp" "$out"
+}
+export -f compile
+
+tsan_env() {
+  # ThreadSanitizer: every report is counted by the driver (it fails the case), none halts the run.
+  export TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 history_size=4 ${TSAN_OPTIONS:-}"
+}
+
+if [ "$mutations" = 1 ]; then
+  # Each mutant: NAME|FILE|PYTHON-REPLACEMENTS|SANITIZER|CASES. The replacement must apply (else
+  # the mutation is reported as not applied: the source moved and this list must follow).
+  mut_root="$build/mutants"
+  rm -rf "$mut_root"; mkdir -p "$mut_root"
+  total=0 caught=0
+  run_mutant() {
+    # NAME FILE SANITIZER OLD NEW [OLD NEW]... -- DRIVER-ARGS...
+    local name=$1 file=$2 san=$3; shift 3
+    local pairs=()
+    while [ "$1" != "--" ]; do pairs+=("$1"); shift; done
+    shift
+    local src="$mut_root/$name/csrc" dir="$mut_root/$name/$san"
+    rm -rf "$src"; mkdir -p "$src"; cp -rp "$root/csrc/." "$src/"
+    if ! python3 - "$src/$file" "${pairs[@]}" <<'PY'
+import sys
+path, rest = sys.argv[1], [a.encode().decode("unicode_escape") for a in sys.argv[2:]]
+text = open(path).read()
+for old, new in zip(rest[0::2], rest[1::2]):
+    if old not in text:
+        sys.exit(1)
+    text = text.replace(old, new)
+open(path, "w").write(text)
+PY
+    then
+      echo "mutation $name: NOT APPLIED (a pattern is not in $file any more: update scripts/emulate.sh)"; return 1
+    fi
+    local flags=("${plain_flags[@]}"); [ "$san" = tsan ] && flags=("${tsan_flags[@]}")
+    # The objects that do not include the device code are shared between mutants.
+    mkdir -p "$dir"
+    for o in emu driver; do
+      [ -f "$mut_root/common-$san/$o.o" ] && cp -p "$mut_root/common-$san/$o.o" "$dir/$o.o"
+    done
+    if ! NVRAR_EMU_KEEP="emu.o driver.o" build_driver "$dir" "$src" 1 "${flags[@]}" >"$dir/build.log" 2>&1; then
+      echo "mutation $name: BUILD FAILED (see $dir/build.log)"; return 1
+    fi
+    mkdir -p "$mut_root/common-$san"; cp -p "$dir/emu.o" "$dir/driver.o" "$mut_root/common-$san/"
+    local log="$dir/run.log"
+    set +e
+    # Under ThreadSanitizer the first report ends the run (GCC 12's runtime can deadlock when
+    # reports and thread exits meet; a mutant needs one report only).
+    TSAN_OPTIONS="halt_on_error=1 report_signal_unsafe=0 history_size=4" "$dir/emulate_driver" --seed "$seed" "$@" >"$log" 2>&1
+    local rc=$?
+    set -e
+    local first; first=$(grep -m1 '^FAIL' "$log" || true)
+    if [ $rc -ne 0 ] && [ -n "$first" ]; then
+      echo "mutation $name: caught ($san): ${first:0:300}"; return 0
+    fi
+    local race; race=$(grep -m1 -A2 'WARNING: ThreadSanitizer' "$log" | tr -s ' \n' ' ' || true)
+    if [ $rc -ne 0 ] && [ -n "$race" ]; then
+      echo "mutation $name: caught ($san): ${race:0:300}"; return 0
+    fi
+    echo "mutation $name: NOT CAUGHT ($san, exit $rc; $(tail -1 "$log"))"; return 1
+  }
+  m() { total=$((total + 1)); if run_mutant "$@"; then caught=$((caught + 1)); fi; }
+  # (the mutants are built with float32 kernels only: every case named below is a float32 case)
+  m wait-acquire-relaxed cuda/device.cuh tsan \
+    'uint64_t v = ld_acquire_sys(c);' 'uint64_t v = ld_relaxed_sys(c);' \
+    '        v = ld_acquire_sys(c);' '        v = ld_relaxed_sys(c);' \
+    -- --only "allreduce 2x2 float32 sum two-shot n=1000" --only "allreduce 2x2 float32 max two-shot n=1007 ll"
+  m signal-no-fence-release cuda/device.cuh tsan \
+    '      if (threadIdx.x == 0) __threadfence_system();\n      dirty = false;' '      dirty = false;' \
+    'desc.shape);\n      st_release_sys(c, word);' 'desc.shape);\n      st_relaxed_sys(c, word);' \
+    -- --only "allreduce 2x2 float32 sum two-shot n=1000" --only "allreduce 2x2 float32 max two-shot n=1007 ll"
+  m ll-unpack-no-zeroing cuda/device.cuh plain \
+    'st_quad(p, zero, m);  // NOTE [LL zones]' '(void)zero;' \
+    -- --only "allreduce 2x1 float32 sum two-shot n=900 ll" --repeat 3
+  m epoch-off-by-one cuda/allreduce_kernel.cuh plain \
+    'kp.state->epoch = e0 + nchunks;' 'kp.state->epoch = e0 + nchunks - 1;' \
+    -- --only "allreduce 2x2 float32" --only "allreduce 2x1 float32"
+  m fail-no-fence cuda/device.cuh plain \
+    '        nvshmem_fence();\n' '' \
+    -- --only "remote abort" --repeat 4
+  m call-description-unchecked cuda/device.cuh plain \
+    'if (!desc_equal(theirs, desc)) {' 'if (false && !desc_equal(theirs, desc)) {' \
+    -- --only "collision"
+  echo "mutations: $caught of $total caught"
+  [ "$caught" = "$total" ]
+  exit $?
+fi
+
+if [ "$coverage" = 1 ]; then
+  dir="$build/coverage"
+  rm -f "$dir"/*.gcda
+  build_driver "$dir" "$root/csrc" 0 -O0 --coverage
+  args=(--seed "$seed" "${only[@]}")
+  [ "$quick" = 1 ] && args+=(--quick)
+  set +e
+  "$dir/emulate_driver" "${args[@]}" | tail -1
+  set -e
+  (cd "$dir" && for o in k_*.o; do gcov -t -p "$o.gcno" 2>/dev/null; done) | python3 -c '
+import re, sys
+files = ("cuda/device.cuh", "cuda/allreduce_kernel.cuh", "cuda/fused_kernel.cuh")
+cur, seen = None, {}
+for line in sys.stdin:
+    m = re.match(r"\s*-:\s*0:Source:(.*)$", line)
+    if m:
+        cur = next((f for f in files if m.group(1).endswith(f)), None)
+        continue
+    m = re.match(r"\s*([^:]+):\s*(\d+):(.*)$", line)
+    if not m or cur is None:
+        continue
+    count, no, text = m.group(1).strip(), int(m.group(2)), m.group(3)
+    if count == "-" or no == 0:
+        continue
+    ran = count not in ("#####", "=====")
+    key = (cur, no)
+    seen[key] = (seen.get(key, (False, text))[0] or ran, text)
+tot_all = run_all = 0
+for f in files:
+    lines = sorted((no, v) for (g, no), v in seen.items() if g == f)
+    run = sum(1 for _, (r, _) in lines if r)
+    tot_all += len(lines); run_all += run
+    print(f"coverage {f}: {run} of {len(lines)} lines ({100.0 * run / max(1, len(lines)):.1f}%)")
+    for no, (r, text) in lines:
+        if not r:
+            print(f"  not run: {f}:{no}: {text.strip()}")
+print(f"coverage of the device code: {run_all} of {tot_all} lines ({100.0 * run_all / max(1, tot_all):.1f}%)")
+'
+  exit 0
+fi
+
+if [ "$tsan" = 1 ]; then
+  dir="$build/tsan"
+  build_driver "$dir" "$root/csrc" 0 "${tsan_flags[@]}"
+  tsan_env
+else
+  dir="$build/plain"
+  build_driver "$dir" "$root/csrc" 0 "${plain_flags[@]}"
+fi
+args=(--seed "$seed" "${only[@]}")
+[ "$quick" = 1 ] && args+=(--quick)
+exec "$dir/emulate_driver" "${args[@]}"
