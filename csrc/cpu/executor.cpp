@@ -497,14 +497,21 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
       fail(ProtocolError::Kind::kTimeout, timeout_text(cfg_.timeout_s), site, epoch, observed());
     }
     if (now >= next_liveness) {
-      if (!peer_alive(site.peer)) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
+      // A peer that failed stored its aborts before it exited or closed: the abort it sent (read
+      // after the exit or the closed mark, so not missed) names the first failure, not its end.
+      if (!peer_alive(site.peer)) {
+        if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+        fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
+      }
       // A peer that closed its communicator takes part in no round any more. Its last flags were
       // stored before its closed mark, so look once more before giving up on it.
-      if (load_acquire(&peer_header->closed) != 0 && !ready())
+      if (load_acquire(&peer_header->closed) != 0 && !ready()) {
+        if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
         fail(ProtocolError::Kind::kPeerAbort,
              "rank " + std::to_string(site.peer) +
                  " closed its communicator (close() or garbage collection) while this rank waited for it",
              site, epoch, observed());
+      }
       std::string why;
       if (intr_ != nullptr && intr_->check != nullptr && intr_->check(intr_->ctx, &why))
         fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
