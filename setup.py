@@ -204,6 +204,9 @@ EXTRAS = {
     # wheel's CUDA module is ever used, and the cu12 build also loads beside an older NVIDIA driver
     # (CUDA 12 runs on drivers from 525, CUDA 13 needs 580) where a host has one.
     "ucx": ["libucx-cu12>=1.15"],
+    # deepspeed: DeepSpeed's shm inference_all_reduce as a CPU peer of nvrar-bench (--backends
+    # ...,deepspeed; its CPU op builds itself on first use). Heavy, so not part of bench or test.
+    "deepspeed": ["deepspeed>=0.14", "torch>=2.1"],
 }
 # test: what the test suite launches for real (mpirun ranks, gloo process groups, nvshmem4py beside
 # nvrar, ranks on network-namespace hosts over UCX) plus pytest. ruff and mypy: the lint and type checks (`ruff check . && mypy`), pinned so

@@ -34,16 +34,43 @@ struct PendingSignal {
   PyObject* traceback = nullptr;
 };
 
-// Interrupt hook of the executor's waits (called without the GIL, on the main thread only).
+// The GIL of a call, released on demand (at once for a large message, else when one of its
+// waits stops spinning: see NOTE [waiting] in csrc/cpu/executor.cpp) and taken back when the
+// call returns or unwinds, before pybind11 touches any Python object.
+struct LazyGil {
+  PyThreadState* saved = nullptr;
+  void release() {
+    if (saved == nullptr) saved = PyEval_SaveThread();
+  }
+  void take() {
+    if (saved != nullptr) PyEval_RestoreThread(saved);
+    saved = nullptr;
+  }
+  ~LazyGil() { take(); }
+};
+
+struct CallHooks {
+  PendingSignal pending;
+  LazyGil gil;
+};
+
+// Interrupt hook of the executor's waits (called on the main thread only, after the block hook
+// released the GIL).
 bool run_signal_handlers(void* ctx, std::string* why) {
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() == 0) return false;
-  auto* pending = static_cast<PendingSignal*>(ctx);
+  auto* pending = &static_cast<CallHooks*>(ctx)->pending;
   PyErr_Fetch(&pending->type, &pending->value, &pending->traceback);
   const char* name = pending->type != nullptr ? reinterpret_cast<PyTypeObject*>(pending->type)->tp_name : "an exception";
   *why = std::string("interrupted: a signal handler raised ") + name + " while this rank waited";
   return true;
 }
+
+void release_gil(void* ctx) { static_cast<CallHooks*>(ctx)->gil.release(); }
+
+// Messages up to this size keep the GIL until a wait stops spinning: the whole call takes a few
+// microseconds, less than a release and retake of the GIL cost a thread that waits for it.
+constexpr size_t kLazyGilBytes = 64 << 10;
 
 }  // namespace
 
@@ -108,25 +135,25 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "all_reduce",
           [](CpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int algorithm) {
-            // The GIL is released while the call runs; on the main thread its waits come back to
-            // the interpreter about every 50 ms to run signal handlers. A handler that raises
-            // (SIGINT: KeyboardInterrupt) stops the call: the executor aborts the peers, then the
-            // handler's exception is what this call raises.
-            PendingSignal pending;
-            const Interrupt intr{&run_signal_handlers, &pending};
+            // The GIL is released while the call waits (NOTE [waiting]); on the main thread its
+            // waits come back to the interpreter about every 50 ms to run signal handlers. A
+            // handler that raises (SIGINT: KeyboardInterrupt) stops the call: the executor aborts
+            // the peers, then the handler's exception is what this call raises.
+            CallHooks hooks;
             const bool main_thread = PyThread_get_thread_ident() == g_main_thread;
-            {
-              py::gil_scoped_release release;
-              try {
-                ex.all_reduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
-                              static_cast<DType>(dtype), static_cast<RedOp>(op), static_cast<Algorithm>(algorithm),
-                              main_thread ? &intr : nullptr);
-              } catch (const ProtocolError&) {
-                if (pending.type == nullptr) throw;
-              }
+            const Interrupt intr{main_thread ? &run_signal_handlers : nullptr, &hooks, &release_gil};
+            const int es = dtype_size(static_cast<DType>(dtype));
+            if (count > kLazyGilBytes / static_cast<size_t>(es > 0 ? es : 1)) hooks.gil.release();
+            try {
+              ex.all_reduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+                            static_cast<DType>(dtype), static_cast<RedOp>(op), static_cast<Algorithm>(algorithm),
+                            &intr);
+            } catch (const ProtocolError&) {
+              if (hooks.pending.type == nullptr) throw;
             }
-            if (pending.type != nullptr) {
-              PyErr_Restore(pending.type, pending.value, pending.traceback);
+            hooks.gil.take();
+            if (hooks.pending.type != nullptr) {
+              PyErr_Restore(hooks.pending.type, hooks.pending.value, hooks.pending.traceback);
               throw py::error_already_set();
             }
           },

@@ -8,6 +8,7 @@ as nvrar._C.DTYPE_CODES / OP_CODES / ELEMENT_SIZES): every table here is derived
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -18,7 +19,7 @@ from ._C import buffer_address as _buffer_address
 __all__ = [
     "DTYPE_CODES", "DTYPE_NAMES", "OP_CODES", "ELEMENT_SIZE", "SUPPORTED",
     "op_code", "numpy_dtype_code", "torch_dtype_code", "torch_tensor_type", "is_cupy", "cupy_info",
-    "stream_handle", "resolve_dtype", "check_out_numpy", "check_out_torch", "check_out_cupy", "check_overlap",
+    "stream_handle", "resolve_dtype", "CheckedTensors", "check_out_numpy", "check_out_torch", "check_out_cupy", "check_overlap",
 ]
 
 DTYPE_CODES: Dict[str, int] = dict(_C.DTYPE_CODES)  # "float32" -> code
@@ -117,6 +118,48 @@ def torch_info(x: Any, what: str, device: str = "cpu", index: int = 0, write: bo
         raise ValueError(f"all_reduce: {what} lies in read-only memory (for example torch.from_numpy of a read-only "
                          f"numpy.memmap); pass a writeable tensor{' or out=' if what == 'x' else ''}")
     return x.data_ptr(), x.numel(), code
+
+
+class CheckedTensors:
+    """CPU torch tensors that passed torch_info (in place, writeable), so that a call on the same
+    tensor skips the checks: (pointer, count, dtype code) by tensor, or None.
+
+    An entry serves only the very tensor it was made for, unchanged: it holds a weak reference
+    (a tensor freed and another created at the same id or address is checked anew), and it is
+    used only while the tensor's data pointer, byte size and dtype are those it was checked with
+    and the tensor is still contiguous, so resize_, set_, as_strided_ and ``.data =`` all
+    invalidate it. Only tensors whose storage comes from torch's own allocator (resizable, always
+    writeable) are entered: memory from numpy, a buffer or a file is probed on every call, since
+    its permissions can change without the tensor knowing. A few entries (decode's buffers); the
+    table starts over when full.
+    """
+
+    _MAX = 16
+
+    def __init__(self) -> None:
+        self._entries: Dict[int, Tuple[Any, int, int, Any, int, int]] = {}
+
+    def get(self, x: Any) -> Optional[Tuple[int, int, int]]:
+        e = self._entries.get(id(x))
+        if e is None or e[0]() is not x:
+            return None
+        if x.data_ptr() != e[1] or x.nbytes != e[2] or x.dtype is not e[3] or not x.is_contiguous():
+            return None
+        return e[1], e[4], e[5]
+
+    def add(self, x: Any, ptr: int, count: int, code: int) -> None:
+        try:
+            if not x.is_cpu or not x.untyped_storage().resizable():
+                return
+            ref = weakref.ref(x)
+        except (AttributeError, RuntimeError, TypeError):
+            return
+        if len(self._entries) >= self._MAX:
+            self._entries.clear()
+        self._entries[id(x)] = (ref, ptr, x.nbytes, x.dtype, count, code)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing; EINVAL/EFAULT if it cannot

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import sys
@@ -16,7 +17,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _arrays, _pool, _setup, selector
+from . import _arrays, _pool, _setup, env, selector
 from . import settings as _config
 from . import bootstrap as _bootstrap
 from .errors import NvrarError
@@ -38,6 +39,27 @@ def _close_all() -> None:
 
 
 _FAST_OPS = _arrays.OP_CODES  # the per-call path: op names without a call
+
+# Forks seen by this process (os.register_at_fork bumps it in every child): the per-call fork
+# check compares one integer where os.getpid() costs a system call. The executor checks again
+# (pthread_atfork), for children forked outside Python.
+_fork_gen = 0
+
+
+def _count_fork() -> None:
+    global _fork_gen
+    _fork_gen += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity mask), as the executor counts them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class Communicator:
@@ -79,6 +101,8 @@ class Communicator:
         self._ex: Any = None
         self._closed = False
         self._pid = os.getpid()  # a forked child must not use this communicator (_forked)
+        self._fork_gen = _fork_gen
+        self._checked = _arrays.CheckedTensors()  # torch tensors already checked (in place, no out=)
         if device not in _config.DEVICES:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self._device = device
@@ -91,8 +115,8 @@ class Communicator:
                                            ranks_per_node=ranks_per_node, algorithm=algorithm)
         st: Optional[_config.Settings]
         try:
-            st = _config.resolve(device, timeout=timeout, max_bytes=max_bytes, heap_bytes=heap_bytes,
-                                  ranks_per_node=ranks_per_node, algorithm=algorithm)
+            st = env.resolve(device, timeout=timeout, max_bytes=max_bytes, heap_bytes=heap_bytes,
+                              ranks_per_node=ranks_per_node, algorithm=algorithm)
             env_error = ""
         except ValueError as exc:
             st, env_error = None, str(exc)
@@ -107,6 +131,13 @@ class Communicator:
             self._timeout = st.timeout_s
             self._settings = st
             if device == "cpu":
+                hosts = getattr(boot, "hosts", None)  # per rank, from the exchange
+                on_host = hosts.count(hosts[self._rank]) if hosts else self._world
+                cma_min = _config.cpu_cma_min_bytes(st, on_host, _cores(),
+                                                    env.get_bytes("NVRAR_CMA_MIN_BYTES") is not None)
+                if cma_min != st.cma_min_bytes:
+                    st = dataclasses.replace(st, cma_min_bytes=cma_min)
+                    self._settings = st
                 self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret)
             else:
                 self._ex, self._cuda_device = _setup.setup_gpu(boot, self._rank, self._world, G, st)
@@ -204,11 +235,21 @@ class Communicator:
         the call is asynchronous: a failure of the kernel (timeout, mismatch) raises at the next
         call or in :meth:`check`.
         """
-        if self._pid != os.getpid():
+        if self._fork_gen != _fork_gen:
             raise self._forked("all_reduce")
         ex = self._ex
         if ex is None:
             raise NvrarError("all_reduce: the communicator is closed")
+        if out is None and algorithm is None and algo is None and stream is None:
+            # The hot path of decode: in place, default algorithm, a tensor checked before.
+            hit = self._checked.get(x)
+            if hit is not None:
+                try:
+                    opc = _FAST_OPS[op]
+                except (KeyError, TypeError):
+                    opc = _arrays.op_code(op)
+                self._all_reduce(hit[0], hit[0], hit[1], hit[2], opc, self._algorithm)
+                return x
         if algo is not None:
             algorithm = _config.algorithm_argument(algorithm, algo, "all_reduce")
         if self._device == "cuda":
@@ -229,6 +270,8 @@ class Communicator:
                 raise TypeError(f"all_reduce: x must be a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
             ptr, count, code = _arrays.torch_info(x, "x", write=out is None)
             optr = ptr if out is None else _arrays.check_out_torch(x, out, ptr, count)
+            if out is None:
+                self._checked.add(x, ptr, count, code)
         try:
             opc = _FAST_OPS[op]
         except (KeyError, TypeError):

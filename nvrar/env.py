@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 from . import settings as _defaults
 
-__all__ = ["VARIABLES", "EnvVar", "get_float", "get_int", "get_bytes", "get_str", "parse_bytes"]
+__all__ = ["VARIABLES", "EnvVar", "get_float", "get_int", "get_bytes", "get_str", "parse_bytes", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar(
             "NVRAR_CMA_MIN_BYTES",
             _defaults.size_text(_defaults.CMA_MIN_BYTES),
-            "CPU executor: smallest shard moved by cross-memory reads and writes.",
+            "CPU executor: smallest shard moved by cross-memory reads and writes. Unset, with more "
+            "ranks than cores, no shard is (they are staged through the shared segment).",
         ),
     )
 }
@@ -161,3 +163,63 @@ def get_bytes(name: str) -> Optional[int]:
 
 def get_str(name: str) -> Optional[str]:
     return _get(name, str)
+
+
+# -- the settings of a Communicator: arguments, then these variables, then nvrar.settings -----
+def _env_algorithm() -> Optional[str]:
+    value = get_str("NVRAR_ALGORITHM")
+    old = get_str("NVRAR_ALGO")
+    if old is not None:
+        warnings.warn("NVRAR_ALGO is deprecated; set NVRAR_ALGORITHM" +
+                      (" (NVRAR_ALGORITHM is set and wins)" if value is not None else ""),
+                      DeprecationWarning, stacklevel=4)
+    return value if value is not None else old
+
+
+def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional[int] = None,
+            heap_bytes: Optional[int] = None, ranks_per_node: Optional[int] = None,
+            algorithm: Optional[str] = None) -> _defaults.Settings:
+    """Every setting: arguments first, then NVRAR_* variables, then the defaults of nvrar.settings
+    (ValueError naming the variable if one is bad). The arguments are assumed checked
+    (check_arguments)."""
+    if device not in _defaults.DEVICES:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if timeout is None:
+        timeout = get_float("NVRAR_TIMEOUT_S")
+        timeout = _defaults.TIMEOUT_S if timeout is None else _defaults.check_timeout(timeout, "NVRAR_TIMEOUT_S")
+    if max_bytes is None:
+        max_bytes = get_bytes("NVRAR_MAX_BYTES")
+        max_bytes = _defaults.MAX_BYTES[device] if max_bytes is None else max_bytes
+        if max_bytes < _defaults.MIN_MAX_BYTES:
+            raise ValueError(f"NVRAR_MAX_BYTES must be at least {_defaults.MIN_MAX_BYTES}, got {max_bytes}")
+    if heap_bytes is None:
+        heap_bytes = get_bytes("NVRAR_HEAP_BYTES")
+        heap_bytes = _defaults.HEAP_BYTES[device] if heap_bytes is None else heap_bytes
+    requested = ranks_per_node if ranks_per_node is not None else get_int("NVRAR_RANKS_PER_NODE")
+    if requested is not None and requested < 1:
+        raise ValueError(f"NVRAR_RANKS_PER_NODE must be >= 1, got {requested}")
+    if algorithm is None:
+        algorithm = _env_algorithm() or _defaults.ALGORITHM
+    _defaults.algorithm_code(algorithm)
+    ll = get_bytes("NVRAR_LL_MAX_BYTES")
+    cpu = device == "cpu"  # the CPU executor's own variables are read (and checked) only there
+    cma_min = get_bytes("NVRAR_CMA_MIN_BYTES") if cpu else None
+    cma = get_int("NVRAR_CMA") if cpu else None
+    return _defaults.Settings(
+        device=device,
+        timeout_s=float(timeout),
+        max_bytes=int(max_bytes),
+        heap_bytes=int(heap_bytes),
+        ranks_per_node=requested,
+        algorithm=algorithm,
+        oneshot_max_bytes=get_bytes("NVRAR_ONESHOT_MAX_BYTES"),
+        ll_max_bytes=_defaults.LL_MAX_BYTES[device] if ll is None else ll,
+        jitter_us=(get_float("NVRAR_JITTER_US") if cpu else None) or _defaults.JITTER_US,
+        jitter_seed=(get_int("NVRAR_JITTER_SEED") if cpu else None) or _defaults.JITTER_SEED,
+        cma=_defaults.CMA if cma is None else cma != 0,
+        cma_min_bytes=_defaults.CMA_MIN_BYTES if cma_min is None else cma_min,
+        cma_piece_bytes=_defaults.CMA_PIECE_BYTES,
+        max_blocks=_defaults.GPU_LAUNCH["max_blocks"],
+        threads=_defaults.GPU_LAUNCH["threads"],
+        block_bytes=_defaults.GPU_LAUNCH["block_bytes"],
+    )

@@ -9,31 +9,17 @@ mismatch would still be caught: the algorithm is part of the call signature that
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 from . import _C
-from .settings import GPU_NATIVE_ABOVE
+from .settings import ALGORITHM_NAMES, ALGORITHMS, GPU_NATIVE_ABOVE, algorithm_code, algorithm_name
 
 __all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "NATIVE", "Table", "select", "default_choice", "algorithm_code",
            "algorithm_name"]
 
-# Algorithm name -> code, as the native module defines them (csrc/protocol/plan.h Variant).
-ALGORITHMS: Dict[str, int] = dict(_C.ALGORITHM_CODES)
-ALGORITHM_NAMES: Dict[int, str] = {code: name for name, code in ALGORITHMS.items()}
-
-
-def algorithm_code(name: Optional[str]) -> int:
-    """Code of an algorithm name ("auto", "one-shot", "two-shot"); None means auto."""
-    if name is None:
-        return ALGORITHMS["auto"]
-    key = str(name).lower().replace("_", "-")
-    if key not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[key]
-
-
-def algorithm_name(code: int) -> str:
-    return ALGORITHM_NAMES[code]
+# ALGORITHMS, ALGORITHM_NAMES, algorithm_code and algorithm_name are defined in nvrar.settings (the
+# bottom of the package's import graph: settings.py imports nothing of nvrar that imports it back)
+# and exported here as well.
 
 
 # -- nvrar or the group's native backend ------------------------------------------------------

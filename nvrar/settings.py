@@ -1,9 +1,11 @@
 """Every setting of a Communicator and its default, defined once.
 
-A setting comes from the constructor's argument, else from its NVRAR_* variable (nvrar.env),
-else from the defaults below. The native executors have no defaults of their own: nvrar passes
-every value explicitly (nvrar/_setup.py), and the texts of nvrar.env.VARIABLES are derived from
-these constants.
+A setting comes from the constructor's argument, else from its NVRAR_* variable, else from the
+defaults below (nvrar.env.resolve reads them in that order). The native executors have no
+defaults of their own: nvrar passes every value explicitly (nvrar/_setup.py), and the texts of
+nvrar.env.VARIABLES are derived from these constants. This module imports nothing else of nvrar
+but the native module (its algorithm codes): env.py and selector.py build on it, never the
+other way round, so that the package's import graph has no cycle (tests/test_settings.py).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-__all__ = ["Settings", "resolve", "check_arguments", "check_timeout", "size_text", "per_device_text",
+from . import _C
+
+__all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
-           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "AGREED"]
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -27,6 +31,24 @@ MIN_MAX_BYTES = 256  # a smaller round could not hold one 16-byte cell per rank 
 TIMEOUT_S = 60.0  # deadline of every wait, and of the bootstrap
 MAX_TIMEOUT_S = 1e6  # ~11.6 days: any longer deadline is a mistake, and overflows nanosecond clocks
 ALGORITHM = "auto"
+
+# Algorithm name -> code, as the native module defines them (csrc/protocol/types.h Algorithm).
+ALGORITHMS: Dict[str, int] = dict(_C.ALGORITHM_CODES)
+ALGORITHM_NAMES: Dict[int, str] = {code: name for name, code in ALGORITHMS.items()}
+
+
+def algorithm_code(name: Optional[str]) -> int:
+    """Code of an algorithm name ("auto", "one-shot", "two-shot"); None means auto."""
+    if name is None:
+        return ALGORITHMS["auto"]
+    key = str(name).lower().replace("_", "-")
+    if key not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[key]
+
+
+def algorithm_name(code: int) -> str:
+    return ALGORITHM_NAMES[code]
 SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor.h kSecretBytes)
 
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
@@ -62,6 +84,24 @@ GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 3
 # 2 ranks, median us at 8K/16K/32K messages: threshold 4K 3.62/4.11/5.19, 8K 3.14/4.20/5.27,
 # 32K 3.16/4.88/8.10 (NVRAR_CMA_MIN_BYTES=... nvrar-bench --algorithms two-shot --buffers ordinary).
 CMA_MIN_BYTES = 8 << 10
+
+# With more ranks on the host than cores, cross-memory transfers lose to staging through the
+# segment: 4 ranks on 2 cores, cold (a barrier before each call), 32K-512K, nvrar time / MPI_Allreduce
+# time 0.45-0.86 staged vs 0.79-1.23 by cross-memory access (two runs, alternated: nvrar-bench
+# --ranks 4 --timing cold --buffers ordinary, with NVRAR_CMA=0 and without). A process_vm_readv or
+# writev pins the peer's pages and needs it scheduled state-free, six of them per piece at G = 4;
+# a staged shard is plain loads from shared memory. So there, unless NVRAR_CMA_MIN_BYTES is set,
+# no shard goes by cross-memory transfer (cpu_cma_min_bytes).
+
+
+def cpu_cma_min_bytes(st: "Settings", ranks_on_host: int, cores: int, explicit: bool) -> int:
+    """The cross-memory threshold a CPU executor is built with: ``st.cma_min_bytes``, except with
+    more ranks on the host than cores and no explicit NVRAR_CMA_MIN_BYTES, where it is larger than
+    any shard (every shard is staged through the segment; see CMA_MIN_BYTES)."""
+    if explicit or ranks_on_host <= cores:
+        return st.cma_min_bytes
+    return st.max_bytes + 1
+
 
 # Cross-memory transfers are split into pieces of this size (bytes), each fetched, reduced and
 # pushed while it is in cache; whole shards of a few MB would spill a 2 MB L2 cache.
@@ -154,8 +194,6 @@ def check_arguments(*, timeout: Optional[float] = None, max_bytes: Optional[int]
                     algorithm: Optional[str] = None) -> Optional[float]:
     """Check the constructor's arguments (the caller's own, on every rank alike): a ValueError
     before any communication. Returns the timeout as a float (or None)."""
-    from .selector import algorithm_code
-
     if timeout is not None:
         timeout = check_timeout(float(timeout), "timeout")
     if max_bytes is not None and int(max_bytes) < MIN_MAX_BYTES:
@@ -167,67 +205,3 @@ def check_arguments(*, timeout: Optional[float] = None, max_bytes: Optional[int]
     if algorithm is not None:
         algorithm_code(algorithm)
     return timeout
-
-
-def _env_algorithm() -> Optional[str]:
-    from . import env
-
-    value = env.get_str("NVRAR_ALGORITHM")
-    old = env.get_str("NVRAR_ALGO")
-    if old is not None:
-        warnings.warn("NVRAR_ALGO is deprecated; set NVRAR_ALGORITHM" +
-                      (" (NVRAR_ALGORITHM is set and wins)" if value is not None else ""),
-                      DeprecationWarning, stacklevel=4)
-    return value if value is not None else old
-
-
-def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional[int] = None,
-            heap_bytes: Optional[int] = None, ranks_per_node: Optional[int] = None,
-            algorithm: Optional[str] = None) -> Settings:
-    """Every setting: arguments first, then NVRAR_* variables, then the defaults above
-    (ValueError naming the variable if one is bad). The arguments are assumed checked
-    (check_arguments)."""
-    from . import env
-    from .selector import algorithm_code
-
-    if device not in DEVICES:
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if timeout is None:
-        timeout = env.get_float("NVRAR_TIMEOUT_S")
-        timeout = TIMEOUT_S if timeout is None else check_timeout(timeout, "NVRAR_TIMEOUT_S")
-    if max_bytes is None:
-        max_bytes = env.get_bytes("NVRAR_MAX_BYTES")
-        max_bytes = MAX_BYTES[device] if max_bytes is None else max_bytes
-        if max_bytes < MIN_MAX_BYTES:
-            raise ValueError(f"NVRAR_MAX_BYTES must be at least {MIN_MAX_BYTES}, got {max_bytes}")
-    if heap_bytes is None:
-        heap_bytes = env.get_bytes("NVRAR_HEAP_BYTES")
-        heap_bytes = HEAP_BYTES[device] if heap_bytes is None else heap_bytes
-    requested = ranks_per_node if ranks_per_node is not None else env.get_int("NVRAR_RANKS_PER_NODE")
-    if requested is not None and requested < 1:
-        raise ValueError(f"NVRAR_RANKS_PER_NODE must be >= 1, got {requested}")
-    if algorithm is None:
-        algorithm = _env_algorithm() or ALGORITHM
-    algorithm_code(algorithm)
-    ll = env.get_bytes("NVRAR_LL_MAX_BYTES")
-    cpu = device == "cpu"  # the CPU executor's own variables are read (and checked) only there
-    cma_min = env.get_bytes("NVRAR_CMA_MIN_BYTES") if cpu else None
-    cma = env.get_int("NVRAR_CMA") if cpu else None
-    return Settings(
-        device=device,
-        timeout_s=float(timeout),
-        max_bytes=int(max_bytes),
-        heap_bytes=int(heap_bytes),
-        ranks_per_node=requested,
-        algorithm=algorithm,
-        oneshot_max_bytes=env.get_bytes("NVRAR_ONESHOT_MAX_BYTES"),
-        ll_max_bytes=LL_MAX_BYTES[device] if ll is None else ll,
-        jitter_us=(env.get_float("NVRAR_JITTER_US") if cpu else None) or JITTER_US,
-        jitter_seed=(env.get_int("NVRAR_JITTER_SEED") if cpu else None) or JITTER_SEED,
-        cma=CMA if cma is None else cma != 0,
-        cma_min_bytes=CMA_MIN_BYTES if cma_min is None else cma_min,
-        cma_piece_bytes=CMA_PIECE_BYTES,
-        max_blocks=GPU_LAUNCH["max_blocks"],
-        threads=GPU_LAUNCH["threads"],
-        block_bytes=GPU_LAUNCH["block_bytes"],
-    )

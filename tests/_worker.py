@@ -398,6 +398,10 @@ def main() -> int:
         import _fused_tasks
 
         TASKS.update(_fused_tasks.TASKS)
+    elif task not in TASKS and task.startswith("det_"):
+        import _det_tasks
+
+        TASKS.update(_det_tasks.TASKS)
     elif task not in TASKS and task.startswith("hosts_"):
         import _hosts_tasks
 

@@ -120,3 +120,71 @@ def test_algorithms_option_and_its_deprecated_spelling(tmp_path):
         assert {r["algorithm"] for r in data["results"]} == {"two-shot"}, flag
         notes = res.stderr.count("--algos is deprecated; use --algorithms")
         assert notes == (1 if flag == "--algos" else 0), res.stderr
+
+
+def test_timing_cold_warm_and_both(tmp_path):
+    """--timing: cold rows (a barrier before every timed call), warm rows (back to back), or both;
+    every row says which (key "timing"), and so does the header."""
+    args = QUICK + ["--backends", "nvrar,mpi", "--buffers", "ordinary", "--algorithms", "auto"]
+    for timing, expect in (("cold", {"cold"}), ("warm", {"warm"}), ("both", {"cold", "warm"})):
+        run(bench_cmd() + args + ["--timing", timing, "--json", f"{timing}.json"], tmp_path)
+        data = load(tmp_path / f"{timing}.json")
+        assert data["meta"]["timing"] == timing
+        assert {r["timing"] for r in data["results"]} == expect, timing
+        for size in (8192, 16384, 32768):
+            for backend in ("nvrar", "mpi"):
+                got = sorted(r["timing"] for r in data["results"] if r["bytes"] == size and r["backend"] == backend)
+                assert got == sorted(expect), (timing, size, backend, got)
+    res = subprocess.run(bench_cmd() + ["--timing", "lukewarm"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(), cwd=tmp_path)
+    assert res.returncode == 2 and "--timing" in res.stderr
+
+
+def test_the_default_timing_is_both(tmp_path):
+    run(bench_cmd() + QUICK + ["--backends", "nvrar", "--buffers", "symmetric", "--algorithms", "one-shot",
+                               "--launcher", "local", "--json", "r.json"], tmp_path)
+    data = load(tmp_path / "r.json")
+    assert data["meta"]["timing"] == "both"
+    assert sorted(r["timing"] for r in data["results"] if r["bytes"] == 8192) == ["cold", "warm"]
+
+
+def _deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def test_deepspeed_peer_runs_where_installed(tmp_path):
+    """The DeepSpeed shm all-reduce beside nvrar in one run; where DeepSpeed is not installed the
+    run still succeeds and says why the peer was skipped."""
+    out = run(bench_cmd() + QUICK + ["--backends", "nvrar,deepspeed", "--buffers", "ordinary", "--algorithms", "auto",
+                                     "--timing", "cold", "--json", "r.json"], tmp_path, timeout=600)
+    data = load(tmp_path / "r.json")
+    skipped = data["meta"]["skipped"]
+    rows = [r for r in data["results"] if r["backend"] == "deepspeed"]
+    if not _deepspeed_installed():
+        assert "not installed" in skipped["deepspeed"] and not rows
+        return
+    if rows:
+        assert {r["bytes"] for r in rows} == {8192, 16384, 32768} and all(r["wrong"] == 0 for r in rows)
+        assert "deepspeed/shm" in out
+    else:  # installed, but its shm op cannot run here: skipped, with that reason
+        reason = skipped.get("deepspeed") or skipped.get("deepspeed/shm", "")
+        assert "shm" in reason or "avx" in reason, skipped
+
+
+def test_deepspeed_absent_is_skipped_with_the_reason(tmp_path):
+    """A DeepSpeed that cannot be imported (a package on PYTHONPATH that raises ImportError, as
+    an absent one does) is reported as skipped, not an error."""
+    fake = tmp_path / "fake" / "deepspeed"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named deepspeed (test)')\n")
+    env = clean_env(PYTHONPATH=str(tmp_path / "fake"))
+    res = subprocess.run(bench_cmd() + QUICK + ["--backends", "nvrar,deepspeed", "--buffers", "ordinary",
+                                                "--algorithms", "auto", "--timing", "warm", "--json", "r.json"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    data = load(tmp_path / "r.json")
+    assert "not installed" in data["meta"]["skipped"]["deepspeed"]
+    assert {r["backend"] for r in data["results"]} == {"nvrar"}
+    assert "skipped: deepspeed (DeepSpeed is not installed" in res.stdout

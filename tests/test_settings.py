@@ -131,23 +131,23 @@ def test_environment_texts_are_the_settings_defaults():
 
 def test_resolve_arguments_then_environment_then_defaults(monkeypatch):
     for device in ("cpu", "cuda"):
-        st = settings.resolve(device)
+        st = env.resolve(device)
         assert (st.max_bytes, st.heap_bytes, st.ll_max_bytes) == (
             settings.MAX_BYTES[device], settings.HEAP_BYTES[device], settings.LL_MAX_BYTES[device])
         assert st.timeout_s == settings.TIMEOUT_S and st.algorithm == settings.ALGORITHM
         assert (st.cma_min_bytes, st.cma_piece_bytes) == (settings.CMA_MIN_BYTES, settings.CMA_PIECE_BYTES)
         assert (st.max_blocks, st.threads, st.block_bytes) == tuple(settings.GPU_LAUNCH.values())
-    assert settings.resolve("cpu").oneshot_max(2) == settings.CPU_ONESHOT_MAX[2]
-    assert settings.resolve("cuda").oneshot_max(8) == settings.GPU_ONESHOT_MAX
+    assert env.resolve("cpu").oneshot_max(2) == settings.CPU_ONESHOT_MAX[2]
+    assert env.resolve("cuda").oneshot_max(8) == settings.GPU_ONESHOT_MAX
     monkeypatch.setenv("NVRAR_MAX_BYTES", "64K")
     monkeypatch.setenv("NVRAR_ONESHOT_MAX_BYTES", "2K")
-    assert settings.resolve("cpu").max_bytes == 65536
-    assert settings.resolve("cpu", max_bytes=4096).max_bytes == 4096
-    assert settings.resolve("cpu").oneshot_max(2) == 2048
+    assert env.resolve("cpu").max_bytes == 65536
+    assert env.resolve("cpu", max_bytes=4096).max_bytes == 4096
+    assert env.resolve("cpu").oneshot_max(2) == 2048
     with pytest.raises(dataclasses_frozen_error()):
-        settings.resolve("cpu").max_bytes = 1  # type: ignore[misc]
+        env.resolve("cpu").max_bytes = 1  # type: ignore[misc]
     with nvrar.Communicator(heap_bytes=1 << 20) as c:
-        assert c.settings == settings.resolve("cpu", heap_bytes=1 << 20)
+        assert c.settings == env.resolve("cpu", heap_bytes=1 << 20)
         assert c.max_bytes == 65536
 
 
@@ -227,3 +227,14 @@ def test_nvrar_algo_variable_is_a_deprecated_alias(monkeypatch):
         c = nvrar.Communicator()
     with c:
         assert c.algorithm_for(8) == "one-shot"
+
+
+def test_cross_memory_threshold_by_oversubscription(monkeypatch):
+    """More ranks than cores: no shard goes by cross-memory transfer unless NVRAR_CMA_MIN_BYTES
+    says otherwise; with enough cores, or set explicitly, the threshold is the setting's."""
+    st = env.resolve("cpu")
+    assert settings.cpu_cma_min_bytes(st, 2, 2, False) == st.cma_min_bytes == settings.CMA_MIN_BYTES
+    assert settings.cpu_cma_min_bytes(st, 4, 2, False) > st.max_bytes  # larger than any shard
+    assert settings.cpu_cma_min_bytes(st, 4, 2, True) == st.cma_min_bytes
+    monkeypatch.setenv("NVRAR_CMA_MIN_BYTES", "64")
+    assert settings.cpu_cma_min_bytes(env.resolve("cpu"), 8, 2, True) == 64

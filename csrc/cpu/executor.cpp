@@ -3,6 +3,7 @@
 #include "transport.h"
 #include "ucx.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -22,10 +23,25 @@ namespace {
 
 constexpr size_t kMinChunkBytes = 256;               // smallest max_bytes accepted (bytes)
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a waiter checks its peer's process
+constexpr auto kSpinPhase = std::chrono::microseconds(100);     // a waiter spins at most this long before yielding
+constexpr auto kMinSpinPhase = std::chrono::microseconds(2);    // ... and at least this long (NOTE [waiting])
+constexpr uint64_t kMaxSpinNs = std::chrono::duration_cast<std::chrono::nanoseconds>(kSpinPhase).count();
+constexpr uint64_t kMinSpinNs = std::chrono::duration_cast<std::chrono::nanoseconds>(kMinSpinPhase).count();
+constexpr uint64_t kSpinPollsOversubscribed = 16;  // more ranks than cores: polls before yielding
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
 constexpr double kQuiesceMaxS = 1.0;  // longest a failing rank waits for a peer's cross-memory transfer window (s)
 constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
+
+// Bumped in every forked child (pthread_atfork, registered with the first executor): a call
+// compares it with its executor's, which costs a load where getpid() costs a system call.
+std::atomic<uint64_t> g_fork_gen{0};
+void count_fork() { g_fork_gen.fetch_add(1, std::memory_order_relaxed); }
+uint64_t fork_generation() {
+  static const int registered = pthread_atfork(nullptr, nullptr, count_fork);
+  NVRAR_CHECK(registered == 0, "nvrar: pthread_atfork failed (", registered, ")");
+  return g_fork_gen.load(std::memory_order_relaxed);
+}
 
 uint64_t config_hash(const CpuConfig& c, const SegmentLayout& L) {
   uint64_t fields[] = {kVersion, static_cast<uint64_t>(c.world), static_cast<uint64_t>(c.ranks_per_node),
@@ -81,8 +97,10 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) ncpu = CPU_COUNT(&set);
-  // More ranks than cores: yield almost at once so that the rank we wait for can run.
-  spin_iters_ = cfg_.world > ncpu ? 16 : 4096;
+  // More ranks than cores: yield almost at once so that the rank we wait for can run. Else spin
+  // for kSpinPhase (decode calls arrive microseconds apart).
+  spin_polls_ = cfg_.world > ncpu ? kSpinPollsOversubscribed : UINT64_MAX;
+  born_fork_gen_ = fork_generation();
   const size_t G = static_cast<size_t>(cfg_.ranks_per_node);
   srcs_.resize(G);
   piece_srcs_.resize(G);
@@ -257,8 +275,9 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
                              const Interrupt* intr) {
   // Second line behind the Python check: a forked child would write into its parent's segment
   // and, through cross-memory access, let peers write into the parent's buffers.
-  NVRAR_CHECK(heap_.in_creator(), "nvrar: this Communicator was created by process ", heap_.creator_pid(),
-              "; a forked child (pid ", getpid(), ") cannot use it: create a new Communicator in the child");
+  NVRAR_CHECK(g_fork_gen.load(std::memory_order_relaxed) == born_fork_gen_,
+              "nvrar: this Communicator was created by process ", heap_.creator_pid(), "; a forked child (pid ",
+              getpid(), ") cannot use it: create a new Communicator in the child");
   NVRAR_CHECK(!closing_.load(std::memory_order_acquire), "all_reduce: the communicator is closed");
   std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
   NVRAR_CHECK(lock.owns_lock(), "all_reduce: another thread is using this communicator; calls on one "
@@ -267,9 +286,16 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   NVRAR_CHECK(heap_.mine() != nullptr, "all_reduce: the communicator is closed");
   NVRAR_CHECK(heap_.attached() || cfg_.world == 1, "all_reduce: the communicator is not set up");
   if (count == 0) return;
-  const CallPlan c = plan_call(limits_, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out), count,
-                               dtype, op, algorithm);
-  const ReduceFn fn = cpu_reduce_fn(dtype, op);
+  const PlanKey key{in, out, count, dtype, op, algorithm};
+  if (!(key == last_key_) || last_fn_ == nullptr) {
+    last_fn_ = nullptr;  // a plan_call that throws leaves no half-made entry
+    last_plan_ = plan_call(limits_, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out), count, dtype,
+                           op, algorithm);
+    last_fn_ = cpu_reduce_fn(dtype, op);
+    last_key_ = key;
+  }
+  const CallPlan& c = last_plan_;
+  const ReduceFn fn = last_fn_;
   if (cfg_.world == 1) {
     if (in != out) std::memmove(out, in, c.bytes);
     return;
@@ -295,7 +321,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
 void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Algorithm v,
                         uint32_t sig, ReduceFn fn, Scale sc) {
   const uint64_t e = ++epoch_;
-  round_n_ = n;
+  desc_.n = n;
   CpuTransport tp{this, fn, e};
   Slice s{in, out, n, es, 0, 0, in_pool, out_pool};
   if (v == Algorithm::kOneShot)
@@ -307,7 +333,7 @@ void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_
 void CpuExecutor::fused_round(const FusedSlice& s, Algorithm v, uint32_t sig, ReduceFn fn, const RowEpilogue& epi,
                               char* scratch) {
   const uint64_t e = ++epoch_;
-  round_n_ = s.rows * s.h;
+  desc_.n = s.rows * s.h;
   CpuTransport tp{this, fn, e};
   if (v == Algorithm::kOneShot) {
     one_shot_round(tp, round_cfg_, ws_, Slice{s.in, scratch, s.rows * s.h, s.es, 0, 0, false, false}, e, sig,
@@ -327,22 +353,19 @@ void CpuExecutor::note_call(uint64_t count, DType dtype, int32_t op, Algorithm v
   hd->call_dtype = static_cast<int32_t>(dtype);
   hd->call_op = op;
   hd->call_algorithm = static_cast<int32_t>(v);
-  call_count_ = count;
+  desc_.count = count;
   // A fused call's op byte is kFusedOpCode (protocol/epilogue.h) and its eps bits ride above the
   // plain call's code; its row length goes in the cells' shape word.
-  call_code_ = call_code(dtype, static_cast<RedOp>(op), v) |
+  desc_.code = call_code(dtype, static_cast<RedOp>(op), v) |
                (op == kFusedOpCode ? static_cast<uint64_t>(float_bits(eps)) << 32 : 0);
-  call_shape_ = h;
+  desc_.shape = h;
 }
 
 void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0, uint64_t aux1) {
   auto* c = reinterpret_cast<Cell*>(heap_.base(peer) + cell_off);
   store_relaxed(&c->aux0, aux0);
   store_relaxed(&c->aux1, aux1);
-  store_relaxed(&c->count, call_count_);
-  store_relaxed(&c->code, call_code_);
-  store_relaxed(&c->n, round_n_);
-  store_relaxed(&c->shape, call_shape_);
+  store_desc(&c->desc, desc_);
   store_release(&c->word, word);
   jitter();
 }
@@ -405,7 +428,7 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
   const size_t h = static_cast<size_t>(peer - where_.rank_of(where_.node, 0));
   const uint64_t in_ref = load_relaxed(&c->aux0);
   const uint64_t out_ref = load_relaxed(&c->aux1);
-  const uint64_t bytes = load_relaxed(&c->n) * static_cast<uint64_t>(dtype_size(code_dtype(call_code_)));
+  const uint64_t bytes = load_relaxed(&c->desc.n) * static_cast<uint64_t>(dtype_size(code_dtype(desc_.code)));
   adv_bytes_[h] = bytes;
   adv_in_[h] = ref_kind(in_ref) == kRefCma ? ref_value(in_ref) : 0;
   adv_out_[h] = ref_kind(out_ref) == kRefCma ? ref_value(out_ref) : 0;
@@ -424,41 +447,74 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
          epoch, 0);
 }
 
+// NOTE [waiting]
+// Decode calls arrive microseconds apart (the peers leave the same matmul), so a waiter first
+// spins: it polls its flag, its abort cell and the closing mark (all in its own memory: cache
+// hits until a peer writes them), reading the clock once per 64 polls. With more ranks than
+// cores the rank it waits for may need this very core, so it spins only kSpinPollsOversubscribed
+// polls. Otherwise the spin lasts spin_ns_, which adapts between kMinSpinPhase and kSpinPhase:
+// halved after every wait that the spin did not cover, doubled after every wait it did. On a
+// host whose other work puts the peer on this rank's core (or deschedules it), waits stop
+// burning 100 us before they let it run; when the peer runs beside us, the spin grows back
+// within a few calls. Then the waiter gives the core away: the caller's block hook first (the
+// bindings release the GIL there, not before), then sched_yield between polls (which returns at
+// once where nothing else wants the core, so a late peer costs a few system calls, not a
+// sleep), with the deadline, the peer's liveness and the caller's signal check about every
+// 50 ms; after kYieldPhase it sleeps between polls.
 template <typename Ready, typename Observed>
 void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch) {
   if (ready()) return;
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
-  const auto* peer_header = reinterpret_cast<const SegmentHeader*>(heap_.base(site.peer));
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
+  const auto spin_end = start + std::chrono::nanoseconds(spin_ns_);
+  for (uint64_t it = 1;; ++it) {
+    if (ready()) {
+      spin_ns_ = std::min<uint64_t>(spin_ns_ * 2, kMaxSpinNs);
+      return;
+    }
+    if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+    if (closing_.load(std::memory_order_relaxed))
+      fail(ProtocolError::Kind::kViolation, "the communicator was closed by another thread during the call", site,
+           epoch, 0);
+    if (it >= spin_polls_ || ((it & 63) == 0 && clock::now() >= spin_end)) break;
+    cpu_relax();
+  }
+  spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, kMinSpinNs);
+  if (intr_ != nullptr && intr_->block != nullptr) intr_->block(intr_->ctx);
+  const auto* peer_header = reinterpret_cast<const SegmentHeader*>(heap_.base(site.peer));
   const auto deadline =
       start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(cfg_.timeout_s));
   auto next_liveness = start + kLivenessPeriod;
-  for (uint64_t it = 0;; ++it) {
+  for (;;) {
     if (ready()) return;
     if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
     if (closing_.load(std::memory_order_relaxed))
       fail(ProtocolError::Kind::kViolation, "the communicator was closed by another thread during the call", site,
            epoch, 0);
-    if (it < spin_iters_) {
-      cpu_relax();
-      continue;
-    }
     const auto now = clock::now();
     if (now >= deadline) {
       fail(ProtocolError::Kind::kTimeout, timeout_text(cfg_.timeout_s), site, epoch, observed());
     }
     if (now >= next_liveness) {
-      if (!peer_alive(site.peer)) fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
+      // A peer that failed stored its aborts before it exited or closed: the abort it sent (read
+      // after the exit or the closed mark, so not missed) names the first failure, not its end.
+      if (!peer_alive(site.peer)) {
+        if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
+        fail(ProtocolError::Kind::kTimeout, "peer process exited", site, epoch, observed());
+      }
       // A peer that closed its communicator takes part in no round any more. Its last flags were
       // stored before its closed mark, so look once more before giving up on it.
-      if (load_acquire(&peer_header->closed) != 0 && !ready())
+      if (load_acquire(&peer_header->closed) != 0 && !ready()) {
+        if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
         fail(ProtocolError::Kind::kPeerAbort,
              "rank " + std::to_string(site.peer) +
                  " closed its communicator (close() or garbage collection) while this rank waited for it",
              site, epoch, observed());
+      }
       std::string why;
-      if (intr_ != nullptr && intr_->check(intr_->ctx, &why)) fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
+      if (intr_ != nullptr && intr_->check != nullptr && intr_->check(intr_->ctx, &why))
+        fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
       next_liveness = now + kLivenessPeriod;
     }
     if (now - start < kYieldPhase) {
@@ -472,8 +528,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
 
 bool CpuExecutor::same_call(size_t cell_off) const {
   const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + cell_off);
-  return load_relaxed(&c->count) == call_count_ && load_relaxed(&c->code) == call_code_ &&
-         load_relaxed(&c->n) == round_n_ && load_relaxed(&c->shape) == call_shape_;
+  return desc_equal(load_desc(&c->desc), desc_);
 }
 
 std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch, uint32_t sig, const Site& site) {
@@ -492,12 +547,12 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
     const int h = site.peer % where_.G;
     if (cell_off == layout_.ready_cell(p, h)) {
       record_advertised(site.peer, cell_off, site, epoch);
-    } else if (cell_off == layout_.final_cell(p, h) && call_shape_ == 0) {
+    } else if (cell_off == layout_.final_cell(p, h) && desc_.shape == 0) {
       // (A fused call's final flag carries no offset: its rows were pushed into my staging.)
       // Where the peer's final shard lives: within its slots (result slot or a landing zone).
       const uint64_t off = load_relaxed(&c->aux0);
-      const size_t es = static_cast<size_t>(dtype_size(code_dtype(call_code_)));
-      const size_t bytes = shard_range(round_n_, static_cast<int>(es), where_.G, h).size() * es;
+      const size_t es = static_cast<size_t>(dtype_size(code_dtype(desc_.code)));
+      const size_t bytes = shard_range(desc_.n, static_cast<int>(es), where_.G, h).size() * es;
       if (off < layout_.result_off || off > layout_.llzones_off || bytes > layout_.llzones_off - off)
         fail(ProtocolError::Kind::kViolation,
              "protocol violation: rank " + std::to_string(site.peer) + " announced its final shard outside its slots",
@@ -538,10 +593,9 @@ void CpuExecutor::wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig
 }
 
 std::string CpuExecutor::mismatch(int peer, size_t cell_off) const {
-  const auto* c = reinterpret_cast<const Cell*>(heap_.mine() + cell_off);
-  return "rank " + std::to_string(cfg_.rank) + " called " + describe_call(call_count_, call_code_, call_shape_) +
-         " but rank " + std::to_string(peer) + " called " +
-         describe_call(load_relaxed(&c->count), load_relaxed(&c->code), load_relaxed(&c->shape));
+  const CallDesc theirs = load_desc(&reinterpret_cast<const Cell*>(heap_.mine() + cell_off)->desc);
+  return "rank " + std::to_string(cfg_.rank) + " called " + describe_call(desc_.count, desc_.code, desc_.shape) +
+         " but rank " + std::to_string(peer) + " called " + describe_call(theirs.count, theirs.code, theirs.shape);
 }
 
 std::string CpuExecutor::describe_call(uint64_t count, uint64_t code, uint64_t shape) {

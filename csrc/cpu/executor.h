@@ -13,6 +13,7 @@
 #include "../common/error.h"
 #include "../protocol/epilogue.h"
 #include "../protocol/call.h"
+#include "../protocol/desc.h"
 #include "../protocol/plan.h"
 #include "../protocol/round.h"
 #include "../protocol/types.h"
@@ -44,12 +45,16 @@ struct CpuConfig {
   std::string secret;            // kSecretBytes drawn by rank 0, the same on every rank
 };
 
-// A hook polled by waits (about every 50 ms) so that the caller can handle signals: returns true
-// when the call must stop, with the reason in *why (the Python bindings run the interpreter's
-// signal handlers there; a handler that raised stops the call).
+// The caller's hooks into a call's waits. `check` (may be null) is polled about every 50 ms so
+// that the caller can handle signals: returns true when the call must stop, with the reason in
+// *why (the Python bindings run the interpreter's signal handlers there; a handler that raised
+// stops the call). `block` (may be null) is called when a wait stops spinning and starts giving
+// the core away, before its first `check` (the bindings release the GIL there, so that a call
+// whose peer is microseconds away never pays for it); it may be called more than once.
 struct Interrupt {
   bool (*check)(void* ctx, std::string* why);
   void* ctx;
+  void (*block)(void* ctx) = nullptr;
 };
 
 class CpuExecutor {
@@ -178,15 +183,32 @@ class CpuExecutor {
   Workspace ws_{};                          // views of the vectors above, for protocol/round.h
   RoundConfig round_cfg_{};
   CallLimits limits_{};                     // what the configuration fixes for every call (protocol/call.h)
-  uint64_t spin_iters_ = 0;                 // polls before a waiter starts yielding the core
+  uint64_t spin_polls_ = 0;                 // polls at most before a waiter starts yielding the core
+  uint64_t spin_ns_ = 100000;               // how long a waiter spins now (NOTE [waiting], executor.cpp)
+  uint64_t born_fork_gen_ = 0;              // fork generation of the creating process (executor.cpp)
+  // The plan of the last call, reused while the next call has the same arguments (it depends on
+  // nothing else: limits_ are fixed at construction).
+  struct PlanKey {
+    const void* in;
+    const void* out;
+    size_t count;
+    DType dtype;
+    RedOp op;
+    Algorithm algorithm;
+    bool operator==(const PlanKey& o) const {
+      return in == o.in && out == o.out && count == o.count && dtype == o.dtype && op == o.op &&
+             algorithm == o.algorithm;
+    }
+  };
+  PlanKey last_key_{nullptr, nullptr, 0, DType::kFloat32, RedOp::kSum, Algorithm::kAuto};
+  CallPlan last_plan_{};
+  ReduceFn last_fn_ = nullptr;
   uint64_t rng_ = 0;
   std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
-  // The call in flight, carried by every flag I send and compared with every flag I receive
-  // (NOTE [call description], segment.h).
-  uint64_t call_count_ = 0;
-  uint64_t call_code_ = 0;                  // dtype | op << 8 | algorithm << 16
-  uint64_t round_n_ = 0;                    // elements of the round in flight
-  uint64_t call_shape_ = 0;                 // row length h of a fused call in flight, else 0
+  // The call and round in flight (protocol/desc.h: count, code, elements of the round, row
+  // length of a fused call), carried by every flag I send and compared with every flag I
+  // receive (NOTE [call description], segment.h).
+  CallDesc desc_{};
   const Interrupt* intr_ = nullptr;         // the caller's interrupt hook, during a call
   std::vector<uint64_t> adv_in_;            // per local rank: private input address it advertised (cma), or 0
   std::vector<uint64_t> adv_out_;           // per local rank: private output address it advertised (cma), or 0

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../protocol/desc.h"
 #include "../protocol/plan.h"
 #include "shm_heap.h"
 
@@ -48,20 +49,19 @@ static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header mus
 // NOTE [call description]
 // The 16-bit signature of a flag word is a quick check only: two different calls can share it
 // (count 100000 and 131409, float32 two-shot, do). So every flag cell also carries the sender's
-// full call description (count, dtype/op/algorithm code, elements of this round), stored before
-// the flag word with the same release, and every wait compares it with its own before it uses
-// the peer's data or any offset or address the flag carries. LL packets (protocol/ll.h) carry
-// only the 16-bit flag: their sender stores the description into the step's inter cell before
-// the packets (and the flag word after them). The buffers a ready flag advertises are bounded
-// by the round's bytes, and every cross-memory transfer is checked against them.
+// full call description (protocol/desc.h: count, dtype/op/algorithm code, elements of this
+// round, row length), stored before the flag word with the same release, and every wait
+// compares it with its own before it uses the peer's data or any offset or address the flag
+// carries. LL packets (protocol/ll.h) carry only the 16-bit flag: their sender stores the
+// description into the step's inter cell before the packets (and the flag word after them). The
+// buffers a ready flag advertises are bounded by the round's bytes, and every cross-memory
+// transfer is checked against them. The cell is one cache line: the receiver's miss on the flag
+// word brings the description along, so the comparison costs four loads that hit.
 struct Cell {
   uint64_t word;
   uint64_t aux0;   // ready: byte offset of the sender's input; final: offset of its final shard
   uint64_t aux1;   // ready: OutRef of the sender's output (protocol/plan.h)
-  uint64_t count;  // the sender's call: count
-  uint64_t code;   // the sender's call: dtype | op << 8 | algorithm << 16
-  uint64_t n;      // the sender's round: elements
-  uint64_t shape;  // the sender's call: row length h of a fused call (all_reduce_add_rms_norm), else 0
+  CallDesc desc;   // the sender's call and round (protocol/desc.h)
 };
 static_assert(sizeof(Cell) <= kCellStride, "a flag cell must fit its stride");
 
@@ -80,6 +80,17 @@ inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __AT
 inline uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 inline void store_relaxed(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+
+// The description of a cell, word by word (relaxed: the flag word's release/acquire orders them).
+inline void store_desc(CallDesc* d, const CallDesc& v) {
+  store_relaxed(&d->count, v.count);
+  store_relaxed(&d->code, v.code);
+  store_relaxed(&d->n, v.n);
+  store_relaxed(&d->shape, v.shape);
+}
+inline CallDesc load_desc(const CallDesc* d) {
+  return CallDesc{load_relaxed(&d->count), load_relaxed(&d->code), load_relaxed(&d->n), load_relaxed(&d->shape)};
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -82,10 +82,7 @@ struct CpuTransport {
   bool put_ll(int rank, size_t dst_off, size_t /*out_off*/, const char* src, size_t bytes, uint32_t flag) {
     NVRAR_CHECK(!ex->remote(rank), "nvrar: LL packets never cross hosts (NOTE [put-with-signal across hosts])");
     auto* c = reinterpret_cast<Cell*>(base(rank) + ex->ll_desc_cell(dst_off));
-    store_relaxed(&c->count, ex->call_count_);
-    store_relaxed(&c->code, ex->call_code_);
-    store_relaxed(&c->n, ex->round_n_);
-    store_relaxed(&c->shape, ex->call_shape_);
+    store_desc(&c->desc, ex->desc_);
     std::atomic_thread_fence(std::memory_order_release);
     auto* pk = reinterpret_cast<uint64_t*>(base(rank) + dst_off);
     const size_t n = ll_packets(bytes);

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ..env import parse_bytes
 
@@ -45,7 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=4,
                    help="the iterations are split into this many rounds over the backends (default 4)")
     p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
-                   help="comma list of nvrar, mpi, gloo (CPU peers), nccl, nvshmem (GPU peers)")
+                   help="comma list of nvrar, mpi, gloo, deepspeed (CPU peers; deepspeed: its shm "
+                        "inference_all_reduce, where DeepSpeed is installed), nccl, nvshmem (GPU peers)")
+    p.add_argument("--timing", choices=["cold", "warm", "both"], default="both",
+                   help="cold: a barrier before every timed call (how tensor-parallel decode calls arrive); "
+                        "warm: back-to-back calls (as nccl-tests time); both (default): every row twice")
     p.add_argument("--algorithms", default=None,
                    help=f"nvrar algorithms to measure, comma list (default {_ALGORITHMS}); add-rms-norm adds the fused "
                         "all-reduce + residual add + RMSNorm")
@@ -108,8 +112,11 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--plot needs matplotlib (pip install matplotlib, or nvrar[bench])")
 
 
-def run(args: argparse.Namespace, argv: Sequence[str], module: str = "nvrar.bench") -> int:
-    """Run as one rank under a launcher, or launch the ranks (running ``module``'s main)."""
+def run(args: argparse.Namespace, argv: Sequence[str], module: str = "nvrar.bench",
+        rank_fn: Optional[Callable[[argparse.Namespace, str], int]] = None) -> int:
+    """Run as one rank under a launcher (``rank_fn``, default the benchmark's run_rank), or
+    launch the ranks (running ``module``'s main). nvrar.bench.tune passes its own rank_fn, so
+    that this package never imports it back (no import cycle)."""
     from ..bootstrap import mpi_launched
     from .launch import spawn
 
@@ -121,10 +128,8 @@ def run(args: argparse.Namespace, argv: Sequence[str], module: str = "nvrar.benc
         launcher = args.launched_by or "torchrun-style env"
     if launcher is None:
         return spawn(args, argv, module)
-    if getattr(args, "tune", False):
-        from .tune import tune_rank
-
-        return tune_rank(args, launcher)
+    if rank_fn is not None:
+        return rank_fn(args, launcher)
     from .runner import run_rank
 
     return run_rank(args, launcher)

@@ -2,7 +2,8 @@
 
 Each backend allocates its own buffers, runs one blocking all-reduce per call, and reports why it
 cannot run (``skip_reason``) instead of failing: a peer that is not installed is skipped, never an
-error. CPU peers: MPI_Allreduce (mpi4py) and torch.distributed gloo. GPU peers: torch.distributed
+error. CPU peers: MPI_Allreduce (mpi4py), torch.distributed gloo and DeepSpeed's shm
+inference_all_reduce (optional: pip install deepspeed). GPU peers: torch.distributed
 NCCL and NVSHMEM's own reduction (nvshmem4py)."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 from .. import _arrays
 from ..bootstrap import mpi_launched
 
-__all__ = ["Backend", "NvrarBackend", "MPIBackend", "GlooBackend", "NCCLBackend", "NvshmemBackend", "DTYPES"]
+__all__ = ["Backend", "NvrarBackend", "MPIBackend", "GlooBackend", "DeepSpeedBackend", "NCCLBackend", "NvshmemBackend",
+           "DTYPES"]
 
 # name -> (numpy dtype or None, torch dtype name, element size)
 DTYPES = {
@@ -212,6 +214,65 @@ class GlooBackend(_TorchDist):
         if op == "avg":
             return "gloo has no avg reduction"
         return None
+
+
+class DeepSpeedBackend(_TorchDist):
+    """DeepSpeed's shared-memory all-reduce for CPU inference (deepspeed.comm.inference_all_reduce,
+    its JIT-built deepspeed_shm_comm op), on the torch.distributed group the benchmark set up.
+    Skipped, with the reason, where DeepSpeed is not installed or its shm op cannot run here."""
+
+    name = "deepspeed"
+    algorithm = "shm"
+
+    def __init__(self, skip: Optional[str]) -> None:
+        super().__init__(None, skip)
+        if skip is not None:
+            return
+        self.skip_reason = self._setup()
+
+    def _setup(self) -> Optional[str]:
+        import torch
+        import torch.distributed as dist
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            import deepspeed
+            import deepspeed.comm as dc
+        except Exception as exc:  # ImportError, or an accelerator that fails to load
+            return f"DeepSpeed is not installed or does not import (pip install deepspeed): {type(exc).__name__}: {exc}"
+        # Its shm op is used only where every rank is local (LOCAL_SIZE == world size), and the
+        # ranks name their segments after MASTER_ADDR/MASTER_PORT: the same on every rank.
+        world, rank = dist.get_world_size(), dist.get_rank()
+        token = [f"{os.getpid()}" if rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        os.environ.update(LOCAL_SIZE=str(world), LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(token[0]))
+        try:
+            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        except Exception as exc:
+            return f"deepspeed.init_distributed failed: {type(exc).__name__}: {exc}"
+        if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
+            return "DeepSpeed's shm op (deepspeed_shm_comm) did not build or load here; it would fall back to gloo"
+        self._dc = dc
+        import deepspeed.comm.comm as dcomm  # its backend object (cdb) lives there once initialized
+
+        self._level = int(getattr(getattr(dcomm, "cdb", None), "shm_vector_kernel_level", 0) or 0)
+        return None
+
+    def supports(self, dtype: str, op: str) -> Optional[str]:
+        if op != "sum":
+            return "DeepSpeed's shm all-reduce sums only"
+        if dtype == "int32":
+            return "DeepSpeed's shm all-reduce has no int32 kernel"
+        if dtype != "float32" and self._level < 2:
+            return f"DeepSpeed's shm {dtype} kernel needs avx512bw (it would fall back to gloo)"
+        if self._level < 1:
+            return "DeepSpeed's shm kernels need avx2 (it would fall back to gloo)"
+        return None
+
+    def call(self, buf: Any, op: str) -> None:
+        self._dc.inference_all_reduce(buf, self._dc.ReduceOp.SUM)
 
 
 class NCCLBackend(_TorchDist):

@@ -17,7 +17,7 @@ from ..bootstrap import SingleBootstrap, mpi_launched
 from ..communicator import Communicator
 from . import report
 from .fused import FUSED_ALGO, NvrarFusedBackend
-from .backends import (DTYPES, Backend, GlooBackend, MPIBackend, NCCLBackend, NvrarBackend, NvshmemBackend,
+from .backends import (DTYPES, Backend, DeepSpeedBackend, GlooBackend, MPIBackend, NCCLBackend, NvrarBackend, NvshmemBackend,
                        available_cpu_model, cpu_count, gpu_model)
 
 __all__ = ["run_rank", "sizes_between"]
@@ -82,12 +82,32 @@ class Control:
             return t.numpy()
         return self.comm.all_reduce(values, "max")
 
+    def call_barrier(self) -> None:
+        """The barrier before each timed call of a cold measurement: MPI's where the ranks run
+        under mpirun (it releases the ranks within a microsecond or two of each other), else
+        the control group's."""
+        world = _mpi_world()
+        if world is not None:
+            world.Barrier()
+        else:
+            self.barrier()
+
     def gather(self, value: Any) -> List[Any]:
         import torch.distributed as dist
 
         out: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, value)
         return out
+
+
+def _mpi_world() -> Any:
+    if not mpi_launched():
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD
 
 
 def memcpy_gbps() -> float:
@@ -163,9 +183,11 @@ def setup_torch_dist(device: str, want: bool) -> Optional[str]:
     return None
 
 
-def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str, graph: bool = False) -> np.ndarray:
+def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str, graph: bool = False,
+               barrier: Optional[Any] = None) -> np.ndarray:
     """Per-iteration latency (us) on this rank. GPU: CUDA events around each call (or around each
-    replay of a CUDA graph holding one call)."""
+    replay of a CUDA graph holding one call). ``barrier`` (cold timing): called before every
+    timed call, outside the timed span."""
     out = np.empty(iters, np.float32)
     if device == "cuda" and b.name in ("nccl", "nvshmem", "nvrar"):
         import torch
@@ -183,6 +205,9 @@ def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str, graph: bo
             run = g.replay
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         for i in range(iters):
+            if barrier is not None:
+                torch.cuda.synchronize()
+                barrier()
             events[i][0].record()
             run()
             events[i][1].record()
@@ -191,6 +216,13 @@ def time_calls(b: Backend, buf: Any, op: str, iters: int, device: str, graph: bo
             out[i] = s.elapsed_time(e) * 1e3
         return out
     clock = time.perf_counter_ns
+    if barrier is not None:
+        for i in range(iters):
+            barrier()
+            t0 = clock()
+            b.call(buf, op)
+            out[i] = (clock() - t0) / 1e3
+        return out
     for i in range(iters):
         t0 = clock()
         b.call(buf, op)
@@ -220,25 +252,32 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
         wrong = verify(b, buf, ctl, count, args, world, rank)
         b.fill(buf, np.zeros(count))  # timing on zeros: no denormals, no overflow to inf
         bufs.append((b, buf, wrong, []))
+    timings = ["cold", "warm"] if args.timing == "both" else [args.timing]
     rounds = max(1, min(args.rounds, args.iters))
+    times: Dict[Tuple[int, str], List[Any]] = {}
     for r in range(rounds):
         n = args.iters // rounds + (1 if r < args.iters % rounds else 0)
-        for b, buf, _, times in bufs:
+        for i, (b, buf, _, _t) in enumerate(bufs):
             for _ in range(args.warmup if r == 0 else min(args.warmup, 2)):
                 b.call(buf, args.op)
-            b.synchronize()
-            ctl.barrier()
-            times.append(ctl.max(time_calls(b, buf, args.op, n, args.device, args.cuda_graph)))
+            for timing in timings:
+                b.synchronize()
+                ctl.barrier()
+                barrier = ctl.call_barrier if timing == "cold" else None
+                times.setdefault((i, timing), []).append(
+                    ctl.max(time_calls(b, buf, args.op, n, args.device, args.cuda_graph, barrier)))
     rows = []
-    for b, _buf, wrong, times in bufs:
-        t = np.concatenate(times)
+    for (i, timing), ts in times.items():
+        b, _buf, wrong, _t = bufs[i]
+        t = np.concatenate(ts)
         median = float(np.median(t))
         algbw = size / median / 1e3 if median > 0 else 0.0
         rows.append({
             "backend": b.name,
             "algorithm": b.algorithm,
             "buffers": b.buffers,
-            "label": b.label,
+            "label": b.label if len(timings) == 1 else f"{b.label} ({timing})",
+            "timing": timing,
             "bytes": size,
             "count": count,
             "dtype": args.dtype,
@@ -267,7 +306,7 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID",
                     os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))))
         torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
-    want_torch = gpu or ("gloo" in names and not gpu)
+    want_torch = gpu or (("gloo" in names or "deepspeed" in names) and not gpu)
     torch_skip = setup_torch_dist(args.device, want_torch)
     if gpu and torch_skip:
         raise SystemExit(f"nvrar-bench --device cuda needs torch.distributed: {torch_skip}")
@@ -299,6 +338,8 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         backends.append(MPIBackend() if args.device == "cpu" else _skip("mpi", "CPU peer; GPU runs compare NCCL"))
     if "gloo" in names:
         backends.append(GlooBackend(None, torch_skip) if args.device == "cpu" else _skip("gloo", "CPU peer"))
+    if "deepspeed" in names:
+        backends.append(DeepSpeedBackend(torch_skip) if args.device == "cpu" else _skip("deepspeed", "CPU peer"))
     if "nccl" in names:
         if not gpu:
             backends.append(_skip("nccl", "needs a GPU (--device cuda)"))
@@ -326,6 +367,7 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         "iters": args.iters,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "timing": args.timing,
         "cuda_graph": bool(args.cuda_graph),
         "launcher": launcher,
         "bootstrap": comm.bootstrap,
@@ -357,7 +399,8 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         rows = measure_size(runnable, ctl, size, args, world, rank)
         results += rows
         if out:
-            report.print_lines(report.format_rows(rows), out)
+            for timing in ("cold", "warm"):  # speed-ups compare rows of one timing
+                report.print_lines(report.format_rows([r for r in rows if r["timing"] == timing]), out)
             print(f"[nvrar-bench] {report.fmt_size(size)} done", file=sys.stderr, flush=True)
     if out:
         wrong = sum(r["wrong"] for r in results)

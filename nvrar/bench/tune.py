@@ -26,6 +26,7 @@ def tune_rank(args: argparse.Namespace, launcher: str) -> int:
     args.backends = "nvrar,gloo" if args.device == "cpu" else "nvrar,nccl"
     args.algorithms = "one-shot,two-shot"
     args.buffers = "ordinary"
+    args.timing = "warm"  # one row per (algorithm, size): the table's buckets compare like with like
     args.launched_by = launcher
     rows = runner.run_rank(args, launcher, collect=True)
     if rows is None:  # not rank 0
@@ -63,8 +64,7 @@ def _run(args: argparse.Namespace) -> int:
 
     _validate(args._parser, args)
     argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "tune" else []
-    args.tune = True
-    return run(args, argv, module="nvrar.bench.tune")
+    return run(args, argv, module="nvrar.bench.tune", rank_fn=tune_rank)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,169 @@
+"""The per-call fast path of Communicator.all_reduce (nvrar/_arrays.py CheckedTensors): a tensor
+checked once is served without its checks only while it is the very same, unchanged tensor.
+Every way of changing a tensor under the cache (resize_, set_, as_strided_, .data =, a freed
+tensor whose id is reused) must send the next call through the full checks again, which the
+tests prove by making that next call one that the checks refuse."""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import nvrar
+from nvrar.bootstrap import SingleBootstrap
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def comm():
+    with nvrar.Communicator(group=SingleBootstrap()) as c:
+        yield c
+
+
+def cached(c, x) -> bool:
+    return c._checked.get(x) is not None
+
+
+def test_a_checked_tensor_is_served_from_the_cache(comm):
+    x = torch.ones(64)
+    comm.all_reduce(x)
+    assert cached(comm, x)
+    assert comm._checked.get(x) == (x.data_ptr(), 64, nvrar._arrays.torch_dtype_code(torch.float32))
+    comm.all_reduce(x)
+    assert torch.equal(x, torch.ones(64))
+
+
+def test_out_and_algorithm_calls_never_fill_it(comm):
+    x, y = torch.ones(64), torch.empty(64)
+    comm.all_reduce(x, out=y)
+    assert not cached(comm, x) and len(comm._checked) == 0
+
+
+def test_resize_invalidates(comm):
+    x = torch.ones(64)
+    comm.all_reduce(x)
+    x.resize_(4096)  # a larger storage: a new data pointer and byte size
+    assert not cached(comm, x)
+    comm.all_reduce(x)
+    assert comm._checked.get(x)[1] == 4096
+    x.resize_(8)  # smaller: same pointer, other byte size
+    assert not cached(comm, x)
+
+
+def test_set_to_another_storage_invalidates(comm):
+    x, other = torch.ones(64), torch.zeros(64)
+    comm.all_reduce(x)
+    x.set_(other.untyped_storage(), 0, (64,), (1,))
+    assert not cached(comm, x)
+
+
+def test_set_to_strided_view_of_its_own_storage_is_refused(comm):
+    x = torch.ones(64)
+    comm.all_reduce(x)
+    ptr = x.data_ptr()
+    x.set_(x.untyped_storage(), 0, (32,), (2,))  # same pointer, non-contiguous
+    assert x.data_ptr() == ptr
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.all_reduce(x)
+
+
+def test_as_strided_in_place_is_refused(comm):
+    x = torch.ones(64)
+    comm.all_reduce(x)
+    x.as_strided_((16,), (4,))
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.all_reduce(x)
+
+
+def test_data_assignment_to_another_dtype_is_refused(comm):
+    x = torch.ones(64)
+    comm.all_reduce(x)
+    x.data = torch.zeros(64, dtype=torch.int64)
+    with pytest.raises(TypeError, match="int64"):
+        comm.all_reduce(x)
+
+
+def test_data_assignment_to_a_negated_view_is_refused(comm):
+    x = torch.ones(64)
+    comm.all_reduce(x)
+    x.data = torch._neg_view(torch.ones(64))
+    with pytest.raises(ValueError, match="negated"):
+        comm.all_reduce(x)
+
+
+def test_a_freed_tensor_whose_id_is_reused_is_checked_again(comm):
+    base = torch.ones(128)
+    reused = 0
+    for _ in range(50):
+        x = torch.ones(64)
+        comm.all_reduce(x)
+        old = id(x)
+        del x
+        y = base[::2]  # a fresh, non-contiguous tensor object: CPython hands it the freed id
+        if id(y) == old:
+            reused += 1
+        with pytest.raises(ValueError, match="not contiguous"):
+            comm.all_reduce(y)
+        del y
+    assert reused > 0, "the freed tensor's id was never reused: the case was not exercised"
+
+
+def test_a_dead_entry_does_not_serve_a_new_tensor_at_the_same_address(comm):
+    x = torch.ones(1 << 16)
+    comm.all_reduce(x)
+    ptr = x.data_ptr()
+    del x
+    gc.collect()
+    y = torch.ones(1 << 16)  # torch's allocator may hand back the same block
+    assert comm._checked.get(y) is None or y.data_ptr() != ptr or comm._checked.get(y)[0] == y.data_ptr()
+    # whatever the address, a call serves y correctly and with y's own pointer
+    comm.all_reduce(y)
+    assert comm._checked.get(y)[0] == y.data_ptr()
+
+
+def test_memory_outside_torchs_allocator_is_never_cached(comm, tmp_path):
+    a = np.ones(64, np.float32)
+    x = torch.from_numpy(a)
+    comm.all_reduce(x)
+    assert not cached(comm, x)
+    path = os.path.join(tmp_path, "ro.bin")
+    np.ones(1024, np.float32).tofile(path)
+    with warnings.catch_warnings():  # torch warns (once per process) that the array is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        ro = torch.from_numpy(np.memmap(path, np.float32, "r", shape=(1024,)))
+    for _ in range(2):  # refused on every call: the probe runs each time
+        with pytest.raises(ValueError, match="read-only memory"):
+            comm.all_reduce(ro)
+
+
+def test_the_table_stays_small(comm):
+    xs = [torch.ones(8) for _ in range(100)]
+    for x in xs:
+        comm.all_reduce(x)
+    assert len(comm._checked) <= 16
+
+
+def test_fork_check_still_fires_in_a_child(comm):
+    x = torch.ones(64)
+    comm.all_reduce(x)  # cached in the parent
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the cached tensor must not take the fast path into the parent's segment
+        code = 1
+        try:
+            comm.all_reduce(x)
+        except nvrar.NvrarError as exc:
+            code = 0 if "forked child" in str(exc) else 2
+        except BaseException:
+            code = 3
+        os.write(w, bytes([code]))
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == bytes([0])
