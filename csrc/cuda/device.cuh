@@ -36,12 +36,18 @@ __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQua
   for (size_t k = 0; k < m; ++k) st_relaxed_sys(p + k, pk[k]);
 }
 
-// NOTE [gpu call description]: an in-node flag cell (ready, final: written by a peer's store over
-// NVLink) holds, like the CPU executor's cells (csrc/cpu/segment.h), the flag word, two aux words
-// and then the sender's CallDesc (protocol/desc.h) at word kCellDesc, stored before the word's
-// release; wait() compares it with this block's description before the caller sees the aux
-// words (offsets into the peer's segment) or touches the peer's data. Cells written across nodes
-// (inter cells, LL zones) do not carry it yet: there the 16-bit signature is the only check.
+// NOTE [gpu call description]: every flag cell (ready, final, inter: 64 bytes) holds, like the CPU
+// executor's cells (csrc/cpu/segment.h), the flag word, two aux words and then the sender's
+// CallDesc (protocol/desc.h) at word kCellDesc. In node (a peer's store over NVLink) the four
+// words are stored before the flag word's release. Across nodes (send_desc) the sender writes
+// them into the receiver's inter cell of the step first: stores where nvshmem_ptr reaches the
+// cell (direct mode), then __threadfence_system; else four nvshmemx_signal_op (a value put with
+// no source buffer, so no symmetric staging and no layout change), then nvshmem_fence, which
+// orders them before the step's data put-with-signal or LL packets to the same PE. An LL step
+// uses the inter cell of its (parity, slot, slice) too (ll_cell: the LL path has no flag word
+// there). The receiver compares the words with this block's description once the flag (wait)
+// or every LL packet (wait_ll) arrived, before the caller sees the aux words or touches the
+// sender's data; a mismatch fails with kMismatch and aborts every rank.
 constexpr int kCellDesc = 3;
 
 // Per-block workspace of protocol/round.h, in shared memory.
@@ -77,6 +83,36 @@ struct GpuTransport {
   __device__ char* base(int rank) const { return kp.peers[rank - kp.cfg.where.node * kp.cfg.where.G]; }
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ void sync() const { __syncthreads(); }
+
+  // The inter cell of the LL zone at `off` (same parity, slot and slice: plan.h orders both the
+  // same way), which carries the LL step's description (NOTE [gpu call description]).
+  __device__ size_t ll_cell(size_t off) const {
+    const SegmentLayout& L = kp.cfg.L;
+    return L.inter_cell(0, 0, 0) + (off - L.llzones_off) / L.ll_slice_bytes * L.cell_stride;
+  }
+
+  // Leader only: my description into the description words of `rank`'s cell at `cell`, ordered
+  // before whatever I put to `rank` next (NOTE [gpu call description]).
+  __device__ void send_desc(int rank, size_t cell) {
+    uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
+    uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(c, rank));
+    const uint64_t words[kDescWords] = {desc.count, desc.code, desc.n, desc.shape};
+    if (direct != nullptr) {
+      for (unsigned k = 0; k < kDescWords; ++k) st_relaxed_sys(direct + kCellDesc + k, words[k]);
+      __threadfence_system();
+    } else {
+      for (unsigned k = 0; k < kDescWords; ++k) nvshmemx_signal_op(c + kCellDesc + k, words[k], NVSHMEM_SIGNAL_SET, rank);
+      nvshmem_fence();
+    }
+  }
+
+  // Leader only: whether the description words of my cell at `cell` are this block's description.
+  __device__ bool desc_matches(size_t cell) const {
+    const uint64_t* c = reinterpret_cast<const uint64_t*>(kp.my + cell);
+    const CallDesc theirs{ld_relaxed_sys(c + kCellDesc + 0), ld_relaxed_sys(c + kCellDesc + 1),
+                          ld_relaxed_sys(c + kCellDesc + 2), ld_relaxed_sys(c + kCellDesc + 3)};
+    return desc_equal(theirs, desc);
+  }
 
   // round.h signals the G-1 local peers back to back: the first signal waits for the block and
   // fences once, the others are release stores alone (nothing was written in between).
@@ -190,19 +226,16 @@ struct GpuTransport {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
-      if (ok && cell < kp.cfg.L.inter_cell(0, 0, 0)) {
-        // An in-node cell: the sender's description, ordered by the acquire above, must be mine.
-        const CallDesc theirs{ld_relaxed_sys(c + kCellDesc + 0), ld_relaxed_sys(c + kCellDesc + 1),
-                              ld_relaxed_sys(c + kCellDesc + 2), ld_relaxed_sys(c + kCellDesc + 3)};
-        if (!desc_equal(theirs, desc)) {
-          fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
-          ok = 0;
-        }
-      }
       if (ok && cell >= kp.cfg.L.inter_cell(0, 0, 0)) {
         // Written by an NVSHMEM signal: returns at once, and adds the consistency step that
-        // makes the signal's data visible (proxy transports included).
+        // makes the signal's data visible (proxy transports included), the description's too.
         nvshmem_uint64_wait_until(c, NVSHMEM_CMP_GE, target);
+      }
+      // The sender's description (stored before the flag's release in node, put and fenced
+      // before the data and signal across nodes) must be mine.
+      if (ok && !desc_matches(cell)) {
+        fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+        ok = 0;
       }
       sh.aux0 = ok ? ld_relaxed_sys(c + 1) : 0;
       sh.aux1 = ok ? ld_relaxed_sys(c + 2) : 0;
@@ -219,7 +252,10 @@ struct GpuTransport {
   __device__ bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
     dirty = true;
     __syncthreads();
-    if (threadIdx.x == 0) __threadfence();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      send_desc(rank, cell);
+    }
     __syncthreads();
     nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, bytes, reinterpret_cast<uint64_t*>(kp.my + cell), word,
                                      NVSHMEM_SIGNAL_SET, rank);
@@ -229,7 +265,10 @@ struct GpuTransport {
   __device__ bool put_ll(int rank, size_t dst_off, size_t out_off, const char* src, size_t bytes, uint32_t flag) {
     dirty = true;
     __syncthreads();
-    if (threadIdx.x == 0) __threadfence_system();  // my earlier zeroing of LL zones is ordered before
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // my earlier zeroing of LL zones is ordered before
+      send_desc(rank, ll_cell(dst_off));
+    }
     __syncthreads();
     const size_t n = ll_packets(bytes);
     const size_t nq = ll_quads(bytes);
@@ -280,6 +319,13 @@ struct GpuTransport {
         st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
       }
       if (st < 0) atomicCAS(&sh.ok, 1, kLLMismatched);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && sh.ok == 1) {
+      // Every packet arrived: the description, fenced before them, did too (NOTE [gpu call
+      // description]); it must be mine before the caller unpacks anything.
+      __threadfence_system();
+      if (!desc_matches(ll_cell(off))) sh.ok = kLLMismatched;
     }
     __syncthreads();
     const int result = sh.ok;

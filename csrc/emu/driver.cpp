@@ -549,10 +549,12 @@ struct Mismatch {
   bool half_chunk = false;  // the odd rank's rounds have half the elements (the description's n)
 };
 
-void run_mismatch(int N, int G, int odd, const Mismatch& m, size_t ll, size_t count, uint64_t seed) {
+void run_mismatch(int N, int G, int odd, const Mismatch& m, size_t ll, size_t count, uint64_t seed,
+                  bool direct = false) {
   Setup su;
   su.N = N;
   su.G = G;
+  su.direct = direct;
   su.ll_max_bytes = ll;
   su.seed = seed;
   su.timeout_s = 20;
@@ -597,12 +599,16 @@ void run_mismatch(int N, int G, int odd, const Mismatch& m, size_t ll, size_t co
 // shards: unless the full description is compared first, the rank with the larger count pushes
 // past the other's buffer. Every rank must raise a mismatch, and the canary past every pool
 // buffer must be intact.
-void run_collision(int N, int G, int odd, uint64_t seed) {
+// Across nodes (G = 1: no in-node flag at all) the inter cells and LL streams carry the
+// description (ll: every inter-node step on LL packets; direct: nvshmem_ptr reaches every PE).
+void run_collision(int N, int G, int odd, uint64_t seed, bool ll = false, bool direct = false) {
   EXPECT(call_signature(100000, 0, 0, 1) == call_signature(131409, 0, 0, 1), "the collision is gone: pick another pair");
   Setup su;
   su.N = N;
   su.G = G;
   su.seed = seed;
+  su.direct = direct;
+  if (ll) su.ll_max_bytes = 64 << 10;
   su.timeout_s = 20;
   su.max_blocks = 4;
   su.max_bytes = 64 << 10;
@@ -820,9 +826,27 @@ std::vector<Case> make_cases(bool quick) {
   };
   for (const auto& m : ms) {
     cs.push_back(Case{"mismatch 2x2 " + m.field, [m](uint64_t seed) { run_mismatch(2, 2, 1, m, 0, 1000, seed); }});
-    if (!m.half_chunk)  // across nodes only the 16-bit signature is compared (NOTE [gpu call description])
+    if (!m.half_chunk)  // (200 elements are one round on every rank: n cannot differ there)
       cs.push_back(Case{"mismatch 2x1 ll " + m.field, [m](uint64_t seed) { run_mismatch(2, 1, 1, m, 1024, 200, seed); }});
   }
+  cs.push_back(Case{"mismatch 2x1 put-signal round elements (n)",
+                    [m = ms[4]](uint64_t seed) { run_mismatch(2, 1, 1, m, 0, 1000, seed); }});
+  // A count mismatch across nodes on each path (G = 1: the inter cells and LL streams alone).
+  cs.push_back(Case{"mismatch 2x1 put-signal count", [m = ms[0]](uint64_t seed) { run_mismatch(2, 1, 1, m, 0, 1000, seed); }});
+  cs.push_back(Case{"mismatch 3x1 put-signal count", [m = ms[0]](uint64_t seed) { run_mismatch(3, 1, 2, m, 0, 1000, seed); }});
+  cs.push_back(Case{"mismatch 3x1 ll count", [m = ms[0]](uint64_t seed) { run_mismatch(3, 1, 2, m, 1024, 200, seed); }});
+  cs.push_back(Case{"mismatch 2x1 put-signal direct count",
+                    [m = ms[0]](uint64_t seed) { run_mismatch(2, 1, 1, m, 0, 1000, seed, true); }});
+  cs.push_back(Case{"mismatch 2x1 ll direct count",
+                    [m = ms[0]](uint64_t seed) { run_mismatch(2, 1, 1, m, 1024, 200, seed, true); }});
+  // The collision across nodes: every path (put-signal, LL) in proxy and direct mode.
+  for (int N : {2, 3})
+    for (bool ll : {false, true})
+      for (bool direct : {false, true}) {
+        std::string name = "mismatch " + std::to_string(N) + "x1 collision 100000 vs 131409 " +
+                           (ll ? "ll" : "put-signal") + (direct ? " direct" : "") + " (pool outputs, canary)";
+        cs.push_back(Case{name, [N, ll, direct](uint64_t seed) { run_collision(N, 1, N - 1, seed, ll, direct); }});
+      }
   cs.push_back(Case{"mismatch 1x2 collision 100000 vs 131409 (pool outputs, canary)",
                     [](uint64_t seed) { run_collision(1, 2, 1, seed); }});
   cs.push_back(Case{"mismatch 2x2 collision 100000 vs 131409 (pool outputs, canary)",

@@ -23,15 +23,22 @@ namespace nvrar {
 //   shape  the row length h of a fused call (all_reduce_add_rms_norm), else 0
 // Two descriptions are equal when all four words are.
 //
-// How it travels, by the path the flag takes:
-//   in-memory cell (CPU shared memory, GPU peer pointer): the four words are stored (relaxed) into
-//     the cell, then the flag word with a release; the receiver's acquire of the flag orders them.
-//   put-with-signal to a remote node (NVSHMEM, UCX): the 32 bytes travel in front of the step's
-//     data in the same put (the destination slot reserves kDescBytes before its data), and the
-//     signal after it; the signal's delivery implies the description's. No extra message.
-//   LL packets: the description is the first kDescLLPackets packets of the step's stream, each
-//     carrying the step's flag like any data packet; the receiver checks them before it unpacks
-//     the data. One network latency still, kDescLLPackets * 8 more bytes on the wire.
+// How it travels, by the path the flag takes (no path adds a round trip):
+//   in-memory cell (CPU shared memory, GPU peer store over NVLink): the four words are stored
+//     (relaxed) into the cell's words 3..6 (after the flag word and two aux words), then the flag
+//     word with a release; the receiver's acquire of the flag orders them.
+//   across nodes on the GPU (csrc/cuda/device.cuh, NOTE [gpu call description]): before a step's
+//     data the sender writes the four words into words 3..6 of the receiver's inter cell of that
+//     step (an LL step uses the inter cell of its parity, slot and slice as well): four
+//     nvshmemx_signal_op SETs (value puts, no source buffer), then nvshmem_fence, then the data
+//     put-with-signal or the LL packets; with nvshmem_ptr reaching the peer (direct mode), plain
+//     stores and __threadfence_system instead. The receiver compares them once the flag, or every
+//     LL packet, arrived, before it touches the data. Four more small operations per step, and
+//     the fence, whose cost depends on the transport (an ordering point on a proxy transport).
+//     The zones and LL zones of SegmentLayout are unchanged.
+//   across hosts on the CPU (csrc/cpu/ucx.cpp): one active message carries the step's data, then
+//     the cell image (flag word, aux words, description); the receiver copies the data, then the
+//     cell's words with the description, then stores the flag word with a release.
 struct CallDesc {
   uint64_t count;
   uint64_t code;
@@ -42,7 +49,6 @@ static_assert(sizeof(CallDesc) == 32, "the call description is four 64-bit words
 
 constexpr unsigned kDescWords = 4;
 constexpr unsigned kDescBytes = sizeof(CallDesc);
-constexpr unsigned kDescLLPackets = kDescBytes / 4;  // 4 payload bytes per LL packet (ll.h)
 
 NVRAR_HD bool desc_equal(const CallDesc& a, const CallDesc& b) {
   return a.count == b.count && a.code == b.code && a.n == b.n && a.shape == b.shape;
