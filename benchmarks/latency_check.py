@@ -134,9 +134,11 @@ class Worker:
             out.append((time.perf_counter_ns() - t0) / 2000 / 1e3)
         return {"us": out}
 
-    def copy_bw(self) -> Dict[str, Any]:
-        """GB/s one rank copies (bytes copied per second) while every rank copies at once."""
-        n = 64 * MB
+    def copy_bw(self, n: int) -> Dict[str, Any]:
+        """GB/s one rank copies (bytes copied per second) with a copy of n bytes, while every rank
+        copies at once. n is the message size of the floor it serves: the call's working set then
+        sits in the same level of the memory hierarchy as the copy's (a 64 MB copy measures DRAM,
+        which an 8 MB two-shot call, 4 MB shards, does not reach on a host with a large L3)."""
         src, dst = np.ones(n, np.uint8), np.empty(n, np.uint8)
         np.copyto(dst, src)
         rates = []
@@ -178,7 +180,7 @@ def worker_main(args: argparse.Namespace) -> int:
             if req["what"] == "single":
                 res = w.single_call(req["iters"])
             elif req["what"] == "copy":
-                res = w.copy_bw()
+                res = w.copy_bw(int(req["bytes"]))
             else:
                 res = w.measure(req["backend"], req["bytes"], req["timing"], req["iters"])
             if done is not None:
@@ -272,7 +274,7 @@ def coordinator(args: argparse.Namespace) -> int:
 
     d = tempfile.mkdtemp(prefix="nvrar-latency-")
     jobs: Dict[str, Job] = {}
-    results: Dict[str, Any] = {"old_new": [], "peers": [], "single": {}, "copy": None}
+    results: Dict[str, Any] = {"old_new": [], "peers": [], "single": {}, "copy": {}}
     try:
         print(f"# load: {os.getloadavg()}; statistic: quantile {args.quantile} of the per-call times", flush=True)
         jobs["old"] = Job("old", 2, args.old_path, False, d)
@@ -315,7 +317,8 @@ def coordinator(args: argparse.Namespace) -> int:
         jobs.pop("old").close()
 
         # (b) peers, cold, 2 ranks then 4 ranks, 8K-16M
-        results["copy"] = jobs["new"].ask(what="copy")["gbps"]
+        for s in (8 * MB, 16 * MB, 64 * MB):
+            results["copy"][s] = jobs["new"].ask(what="copy", bytes=s)["gbps"]
         for ranks in (2, 4):
             if ranks == 4:
                 jobs.pop("new").close()
@@ -351,9 +354,10 @@ def coordinator(args: argparse.Namespace) -> int:
 
     # -- the done-when ratios ---------------------------------------------------------------------
     checks: List[Any] = []
-    gbps = results["copy"]
-    print(f"\n## memory-bandwidth floor (2 ranks, ordinary buffers): copy bandwidth {gbps:.2f} GB/s per rank "
-          "with both ranks copying at once")
+    copy = results["copy"]
+    print("\n## memory-bandwidth floor (2 ranks, ordinary buffers): copy bandwidth per rank with both ranks "
+          "copying at once, copies of the message's size: "
+          + ", ".join(f"{fmt(s)} {g:.2f} GB/s" for s, g in sorted(copy.items())))
     for row in results["peers"]:
         if row["ranks"] != 2:
             continue
@@ -361,6 +365,7 @@ def coordinator(args: argparse.Namespace) -> int:
         if s <= 2 * MB and "ratio_ds" in row:
             checks.append((f"cold 2 ranks {fmt(s)}: nvrar/deepspeed = {row['ratio_ds']:.2f} <= 0.67", row["ratio_ds"] <= 0.67))
         elif s >= 8 * MB:
+            gbps = copy[s]
             fl = floor_us(s, gbps, "two-shot")
             row["floor"] = fl
             near = row["nvrar"] / fl["floor_us"]
