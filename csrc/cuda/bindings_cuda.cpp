@@ -12,6 +12,24 @@ namespace nvrar {
 void register_error_translator();  // ../bindings_common.cpp
 }
 
+namespace {
+// The fields of a GpuConfig that fix the segment's layout, as both the symmetric-size default and
+// the executor take them from Python.
+gpu::GpuConfig layout_config(int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
+                             size_t oneshot_max_bytes, size_t ll_max_bytes, int max_blocks) {
+  gpu::GpuConfig c;
+  c.rank = rank;
+  c.world = world;
+  c.ranks_per_node = ranks_per_node;
+  c.max_bytes = max_bytes;
+  c.pool_bytes = pool_bytes;
+  c.oneshot_max_bytes = oneshot_max_bytes;
+  c.ll_max_bytes = ll_max_bytes;
+  c.max_blocks = max_blocks;
+  return c;
+}
+}  // namespace
+
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "nvrar GPU executor (CUDA kernels over NVSHMEM); see nvrar/_cuda.pyi";
   register_error_translator();
@@ -40,16 +58,8 @@ PYBIND11_MODULE(_cuda, m) {
       "set_symmetric_size_default",
       [](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes, size_t oneshot_max_bytes,
          size_t ll_max_bytes, int max_blocks) {
-        gpu::GpuConfig c;
-        c.rank = rank;
-        c.world = world;
-        c.ranks_per_node = ranks_per_node;
-        c.max_bytes = max_bytes;
-        c.pool_bytes = pool_bytes;
-        c.oneshot_max_bytes = oneshot_max_bytes;
-        c.ll_max_bytes = ll_max_bytes;
-        c.max_blocks = max_blocks;
-        gpu::set_symmetric_size_default(c);
+        gpu::set_symmetric_size_default(layout_config(rank, world, ranks_per_node, max_bytes, pool_bytes,
+                                                      oneshot_max_bytes, ll_max_bytes, max_blocks));
       },
       py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"), py::arg("pool_bytes"),
       py::arg("oneshot_max_bytes"), py::arg("ll_max_bytes"), py::arg("max_blocks"));
@@ -66,17 +76,10 @@ PYBIND11_MODULE(_cuda, m) {
       .def(py::init([](int rank, int world, int ranks_per_node, int device, size_t max_bytes, size_t pool_bytes,
                        size_t oneshot_max_bytes, size_t ll_max_bytes, double timeout_s, int max_blocks, int threads,
                        size_t block_bytes, py::bytes uid) {
-             gpu::GpuConfig c;
-             c.rank = rank;
-             c.world = world;
-             c.ranks_per_node = ranks_per_node;
+             gpu::GpuConfig c = layout_config(rank, world, ranks_per_node, max_bytes, pool_bytes, oneshot_max_bytes,
+                                              ll_max_bytes, max_blocks);
              c.device = device;
-             c.max_bytes = max_bytes;
-             c.pool_bytes = pool_bytes;
-             c.oneshot_max_bytes = oneshot_max_bytes;
-             c.ll_max_bytes = ll_max_bytes;
              c.timeout_s = timeout_s;
-             c.max_blocks = max_blocks;
              c.threads = threads;
              c.block_bytes = block_bytes;
              std::string id = uid;
