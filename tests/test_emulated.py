@@ -36,10 +36,11 @@ def tsan_missing() -> str:
         with open(src, "w") as f:
             f.write("#include <thread>\nint main() { int x = 0; std::thread t([&] { x = 1; }); t.join(); return x - 1; }\n")
         exe = os.path.join(d, "t")
-        r = subprocess.run([CXX, "-fsanitize=thread", "-pthread", src, "-o", exe], capture_output=True, text=True)
+        r = subprocess.run([CXX, "-fsanitize=thread", "-pthread", src, "-o", exe], capture_output=True, text=True,
+                           timeout=120)
         if r.returncode != 0:
             return f"{CXX} cannot build with -fsanitize=thread: {r.stderr.strip()[:200]}"
-        r = subprocess.run([exe], capture_output=True, text=True)
+        r = subprocess.run([exe], capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             return f"a ThreadSanitizer binary does not run here: {r.stderr.strip()[:200]}"
     return ""
