@@ -460,9 +460,21 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
 // bindings release the GIL there, not before), then sched_yield between polls (which returns at
 // once where nothing else wants the core, so a late peer costs a few system calls, not a
 // sleep), with the deadline, the peer's liveness and the caller's signal check about every
-// 50 ms; after kYieldPhase it sleeps between polls.
-template <typename Ready, typename Observed>
-void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch) {
+// 50 ms; after kYieldPhase it sleeps between polls. A wait for a message from another host
+// blocks on the link's event instead (HostLink::block: the worker's event fd, woken by the
+// network, at most 1 ms), so the core goes to whoever needs it and the waiter wakes when its
+// data arrives, not at the next turn of a yield loop.
+void CpuExecutor::Yield::operator()(bool late) const {
+  if (!late) {
+    sched_yield();
+  } else {
+    struct timespec ts = {0, kSleepNs};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+template <typename Ready, typename Observed, typename Idle>
+void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle) {
   if (ready()) return;
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   using clock = std::chrono::steady_clock;
@@ -517,12 +529,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
         fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
       next_liveness = now + kLivenessPeriod;
     }
-    if (now - start < kYieldPhase) {
-      sched_yield();
-    } else {
-      struct timespec ts = {0, kSleepNs};
-      nanosleep(&ts, nullptr);
-    }
+    idle(now - start >= kYieldPhase);
   }
 }
 

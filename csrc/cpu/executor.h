@@ -133,8 +133,13 @@ class CpuExecutor {
   void wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig, const Site& site);
   // Polls `ready` (true: done) under the deadline, the abort cell and the peer's liveness;
   // `observed` names what was seen, for the timeout message.
-  template <typename Ready, typename Observed>
-  void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch);
+  // How a waiter gives its core away after the spin (NOTE [waiting]): sched_yield, or a sleep once
+  // the wait is `late`. A wait for another host blocks on the link's event instead (transport.h).
+  struct Yield {
+    void operator()(bool late) const;
+  };
+  template <typename Ready, typename Observed, typename Idle = Yield>
+  void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle = Idle{});
   void cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   [[noreturn]] void fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,
                          uint64_t observed);

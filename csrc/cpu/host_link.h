@@ -68,6 +68,10 @@ class HostLink {
                           const void* cell) = 0;
   // Progresses the worker once; true when every put issued has completed locally.
   virtual bool progress() = 0;
+  // Gives the core away until the worker has something to progress (a message arrived, a send
+  // can go on) or timeout_ns passed: UCX's event fd where the transports offer one, else one
+  // sched_yield. The caller progresses and checks its condition again after it.
+  virtual void block(long timeout_ns) = 0;
   virtual bool peer_failed(int rank) const = 0;
   virtual std::string peer_error(int rank) const = 0;
   // The cell alone, best effort, for at most timeout_s (abort records); never throws.

@@ -28,6 +28,9 @@ namespace nvrar {
 // The CPU side of the Transport concept of protocol/round.h (see the file comment). A friend of
 // CpuExecutor: it reaches the executor's segment, call description and waits.
 struct CpuTransport {
+  // Longest a wait for another host blocks on the link's event between checks of its abort cell
+  // (which local peers write through shared memory, without an event), deadline and liveness.
+  static constexpr long kBlockNs = 1000 * 1000;
   CpuExecutor* ex;
   ReduceFn fn;
   uint64_t epoch;
@@ -47,7 +50,8 @@ struct CpuTransport {
       const uint64_t target = flag_word(e, 0);
       HostLink* link = ex->link_.get();
       ex->spin_until([&] { link->progress(); return load_acquire(&c->word) >= target || link->refused() != 0; },
-                     [&] { return flag_epoch(load_relaxed(&c->word)); }, site, e);
+                     [&] { return flag_epoch(load_relaxed(&c->word)); }, site, e,
+                     [link](bool) { link->block(kBlockNs); });
       if (link->refused() != 0)
         ex->fail(ProtocolError::Kind::kViolation,
                  "protocol violation: a message from another host named a place outside the inter-node zones and "
@@ -73,7 +77,9 @@ struct CpuTransport {
     if (!link->put_signal(rank, dst_off, src, bytes, cell, base(rank) + cell))
       ex->fail(ProtocolError::Kind::kTimeout, "cannot reach the peer's host: " + link->peer_error(rank), site, epoch,
                0);
-    if (!link->progress()) ex->spin_until([&] { return link->progress(); }, [] { return uint64_t{0}; }, site, epoch);
+    if (!link->progress())
+      ex->spin_until([&] { return link->progress(); }, [] { return uint64_t{0}; }, site, epoch,
+                     [link](bool) { link->block(kBlockNs); });
     return true;
   }
   // LL packets go straight into the peer's LL zone, one 8-byte atomic store each. The call

@@ -2,6 +2,8 @@
 #include "ucx.h"
 
 #include <dlfcn.h>
+#include <poll.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -44,7 +46,7 @@ namespace {
   X(ucp_worker_create) X(ucp_worker_destroy) X(ucp_worker_get_address) X(ucp_worker_release_address)      \
   X(ucp_worker_progress) X(ucp_worker_set_am_recv_handler) X(ucp_am_send_nbx) X(ucp_am_data_release)       \
   X(ucp_ep_create) X(ucp_ep_close_nbx) X(ucp_ep_flush_nbx) X(ucp_request_check_status) X(ucp_request_free) \
-  X(ucp_ep_query) X(ucs_status_string)
+  X(ucp_ep_query) X(ucs_status_string) X(ucp_worker_get_efd) X(ucp_worker_arm)
 
 struct Api {
 #define NVRAR_UCX_FIELD(f) decltype(&::f) f = nullptr;
@@ -133,7 +135,7 @@ class UcxLink final : public HostLink {
     ucp_params_t p;
     std::memset(&p, 0, sizeof(p));
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
-    p.features = UCP_FEATURE_AM;
+    p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     const ucs_status_t st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
     a_.ucp_config_release(cfg);
     check(st, "initializing");
@@ -142,6 +144,8 @@ class UcxLink final : public HostLink {
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the caller's thread, or the wire-up thread alone
     check(a_.ucp_worker_create(ctx_, &wp, &worker_), "creating a worker");
+    // The worker's event fd (NOTE [blocking waits]); without one, block() yields.
+    if (a_.ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
     ucp_am_handler_param_t hp;
     std::memset(&hp, 0, sizeof(hp));
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -258,6 +262,21 @@ class UcxLink final : public HostLink {
   bool progress() override {
     a_.ucp_worker_progress(worker_);
     return reap();
+  }
+
+  // NOTE [blocking waits]: a waiter that spun in vain arms the worker and sleeps in poll() on
+  // its event fd; UCX answers "busy" instead of arming while it still has events to progress, and
+  // the fd wakes on a message or on room for a pending send. The timeout bounds how late the
+  // caller sees what arrives without an event (its abort cell, written by local peers).
+  void block(long timeout_ns) override {
+    if (efd_ < 0) {
+      sched_yield();
+      return;
+    }
+    if (a_.ucp_worker_arm(worker_) != UCS_OK) return;  // UCS_ERR_BUSY: progress first
+    struct pollfd pfd = {efd_, POLLIN, 0};
+    const struct timespec ts = {0, timeout_ns};
+    ppoll(&pfd, 1, &ts, nullptr);
   }
 
   bool peer_failed(int rank) const override { return peers_[static_cast<size_t>(rank)].status.load() != 0; }
@@ -430,6 +449,7 @@ class UcxLink final : public HostLink {
   pid_t creator_;
   ucp_context_h ctx_ = nullptr;
   ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
   std::list<Pending> pending_;
   ucp_request_param_t send_prm_;
   std::atomic<uint64_t> dropped_{0};  // messages refused by on_message
