@@ -6,6 +6,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "../common/error.h"
 
@@ -83,16 +85,29 @@ constexpr unsigned kAmId = 0x4e56;        // the active-message id of nvrar's me
 constexpr size_t kCellTail = 48;          // Cell (segment.h): aux0, aux1 and the call description after the word
 constexpr size_t kCellBytes = 8 + kCellTail;
 
-// The header of every message: where its payload lands in the receiver's segment. The payload is
-// the step's data (`bytes`), then the cell image (kCellBytes): word, aux words, call description.
+// NOTE [pieces]: a put goes as messages of at most kPieceBytes of data each, every one a single
+// fragment of the transport (tcp: segments of kSegBytes, set unless the user set UCX_TCP_*_SEG_SIZE),
+// so UCX hands the handler a pointer into its receive buffer and the data is copied once, into
+// the zone; a message of several fragments would first be reassembled into a buffer of UCX's
+// (one more pass over the data). Every piece carries the cell image; the receiver counts the
+// bytes that arrived for the cell and stores the cell (tail, then flag word) with the last one,
+// whatever order the pieces arrive in. At most one put is in flight per cell (the partner sends
+// to a cell again only two rounds later, after it received my data of the round between).
+constexpr size_t kSegBytes = 64 << 10;
+constexpr size_t kPieceBytes = kSegBytes - 1024;
+
+// The header of every message: where its piece lands in the receiver's segment. The payload is
+// the piece (data bytes [piece_off, piece_off + piece length) of the put), then the cell image
+// (kCellBytes): word, aux words, call description.
 struct MsgHeader {
-  uint64_t dst_off;
-  uint64_t bytes;
+  uint64_t dst_off;    // the zone the put fills
+  uint64_t bytes;      // the put's data, all pieces
+  uint64_t piece_off;  // this piece's place in it
   uint64_t cell_off;
   int32_t sender;
   uint32_t magic;
 };
-constexpr uint32_t kMsgMagic = 0x4e565231u;  // "NVR1"
+constexpr uint32_t kMsgMagic = 0x4e565232u;  // "NVR2"
 
 struct Peer {
   ucp_ep_h ep = nullptr;
@@ -132,6 +147,10 @@ class UcxLink final : public HostLink {
     check(a_.ucp_config_read(nullptr, nullptr, &cfg), "reading its configuration");
     // The device that reaches the rendezvous host, unless the user chose (UCX_NET_DEVICES).
     if (!dev.empty() && getenv("UCX_NET_DEVICES") == nullptr) a_.ucp_config_modify(cfg, "NET_DEVICES", dev.c_str());
+    // tcp segments that hold a whole piece (NOTE [pieces]).
+    const std::string seg = std::to_string(kSegBytes);
+    if (getenv("UCX_TCP_TX_SEG_SIZE") == nullptr) a_.ucp_config_modify(cfg, "TCP_TX_SEG_SIZE", seg.c_str());
+    if (getenv("UCX_TCP_RX_SEG_SIZE") == nullptr) a_.ucp_config_modify(cfg, "TCP_RX_SEG_SIZE", seg.c_str());
     ucp_params_t p;
     std::memset(&p, 0, sizeof(p));
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
@@ -332,22 +351,34 @@ class UcxLink final : public HostLink {
       return UCS_OK;
     }
     MsgHeader h;
-    if (header_length != sizeof(h)) {
+    if (header_length != sizeof(h) || length < kCellBytes) {
       self->dropped_.fetch_add(1);
       return UCS_OK;
     }
     std::memcpy(&h, header, sizeof(h));
-    if (h.magic != kMsgMagic || length != h.bytes + kCellBytes || !self->accept_.fn(self->accept_.ctx, h.dst_off,
-                                                                                 h.bytes, h.cell_off)) {
+    const size_t piece = length - kCellBytes;
+    if (h.magic != kMsgMagic || h.piece_off > h.bytes || piece > h.bytes - h.piece_off ||
+        (piece == 0) != (h.bytes == 0) || !self->accept_.fn(self->accept_.ctx, h.dst_off, h.bytes, h.cell_off)) {
       self->dropped_.fetch_add(1);
       return UCS_OK;
     }
     const char* in = static_cast<const char*>(data);
     char* seg = self->seg_;
-    if (h.bytes != 0) std::memcpy(seg + h.dst_off, in, h.bytes);
-    std::memcpy(seg + h.cell_off + 8, in + h.bytes + 8, kCellTail);
     uint64_t word;
-    std::memcpy(&word, in + h.bytes, 8);
+    std::memcpy(&word, in + piece, 8);
+    if (h.bytes != 0) {
+      std::memcpy(seg + h.dst_off + h.piece_off, in, piece);
+      Arrival& a = self->arrivals_[h.cell_off];
+      if (a.got == 0) a.word = word;
+      if (a.word != word || piece > h.bytes - a.got) {  // pieces of two puts into one cell
+        self->dropped_.fetch_add(1);
+        return UCS_OK;
+      }
+      a.got += piece;
+      if (a.got < h.bytes) return UCS_OK;
+      a.got = 0;
+    }
+    std::memcpy(seg + h.cell_off + 8, in + piece + 8, kCellTail);
     __atomic_store_n(reinterpret_cast<uint64_t*>(seg + h.cell_off), word, __ATOMIC_RELEASE);
     return UCS_OK;
   }
@@ -357,16 +388,27 @@ class UcxLink final : public HostLink {
                 a_.ucs_status_string != nullptr ? a_.ucs_status_string(st) : "?");
   }
 
-  // One message: `bytes` of data for my partner's dst_off, then the cell image for its cell_off.
+  // The put as pieces (NOTE [pieces]): data for my partner's dst_off, each piece followed by the
+  // cell image for its cell_off.
   bool send(int rank, size_t dst_off, const void* src, size_t bytes, size_t cell_off, const void* cell) {
+    size_t off = 0;
+    do {
+      const size_t piece = std::min(kPieceBytes, bytes - off);
+      if (!send_piece(rank, MsgHeader{dst_off, bytes, off, cell_off, rank_, kMsgMagic},
+                      static_cast<const char*>(src) + off, piece, cell))
+        return false;
+      off += piece;
+    } while (off < bytes);
+    return true;
+  }
+
+  bool send_piece(int rank, const MsgHeader& h, const char* src, size_t piece, const void* cell) {
     Peer& p = peers_[static_cast<size_t>(rank)];
     if (p.ep == nullptr || p.status.load(std::memory_order_relaxed) != 0) return false;
-    MsgHeader h{dst_off, bytes, cell_off, rank_, kMsgMagic};
-    pending_.push_back(Pending{nullptr, {{const_cast<void*>(src), bytes}, {const_cast<void*>(cell), kCellBytes}}});
+    pending_.push_back(Pending{nullptr, {{const_cast<char*>(src), piece}, {const_cast<void*>(cell), kCellBytes}}});
     Pending& q = pending_.back();
-    ucp_dt_iov_t* iov = bytes != 0 ? q.iov : q.iov + 1;
-    const ucs_status_ptr_t sp =
-        a_.ucp_am_send_nbx(p.ep, kAmId, &h, sizeof(h), iov, bytes != 0 ? 2 : 1, &send_prm_);
+    ucp_dt_iov_t* iov = piece != 0 ? q.iov : q.iov + 1;
+    const ucs_status_ptr_t sp = a_.ucp_am_send_nbx(p.ep, kAmId, &h, sizeof(h), iov, piece != 0 ? 2 : 1, &send_prm_);
     if (sp == nullptr) {
       pending_.pop_back();
       return true;
@@ -453,6 +495,11 @@ class UcxLink final : public HostLink {
   std::list<Pending> pending_;
   ucp_request_param_t send_prm_;
   std::atomic<uint64_t> dropped_{0};  // messages refused by on_message
+  struct Arrival {
+    uint64_t word = 0;  // the flag word of the put being received
+    uint64_t got = 0;   // its data bytes arrived so far
+  };
+  std::unordered_map<size_t, Arrival> arrivals_;  // per cell offset (NOTE [pieces])
   std::thread thread_;
   std::atomic<bool> stop_{false};
 };
