@@ -18,8 +18,9 @@ namespace nvrar {
 // in front of a zone, so the description rides in the cell's own words, in the same message.
 //
 // NOTE [active messages]
-// The message is one UCX active message (ucp_am_send_nbx, eager): header {dst_off, bytes,
-// cell_off}, payload = the data, then the cell image. The receiver's handler, inside its own
+// A put is UCX active messages (ucp_am_send_nbx, eager), one per piece of at most 63 KB (NOTE
+// [pieces], ucx.cpp): header {dst_off, bytes, piece_off, cell_off}, payload = the piece, then the
+// cell image; the receiver stores the cell once every piece arrived. The receiver's handler, inside its own
 // progress call, copies the data, then the cell's tail, then stores the flag word with a release:
 // the order of a put, a fence and the signal put, without the fence's round trip. Why not RMA
 // (ucp_put_nbx into the registered segment, ucp_worker_fence, the flag put), as first built:
@@ -37,7 +38,8 @@ namespace nvrar {
 // reports native RMA lanes) is not built yet.
 //
 // Progress is driven by the waiting rank: every wait of a round polls the worker while it spins
-// (a message lands only inside the receiver's progress calls). UCX's peer error handling is on
+// (a message lands only inside the receiver's progress calls), then sleeps on the worker's event
+// fd between polls (NOTE [blocking waits], ucx.cpp). UCX's peer error handling is on
 // (UCP_ERR_HANDLING_MODE_PEER), so a host that died or a link that broke fails the wait that
 // needs it, naming rank, peer, phase and step; a peer that is merely silent (stopped, link down
 // without a reset) meets the wait's deadline. LL packets (protocol/ll.h) never cross hosts:
