@@ -20,8 +20,9 @@ namespace nvrar {
 // NOTE [active messages]
 // A put is UCX active messages (ucp_am_send_nbx, eager), one per piece of at most 63 KB (NOTE
 // [pieces], ucx.cpp): header {dst_off, bytes, piece_off, cell_off}, payload = the piece, then the
-// cell image; the receiver stores the cell once every piece arrived. The receiver's handler, inside its own
-// progress call, copies the data, then the cell's tail, then stores the flag word with a release:
+// cell image; the receiver stores the cell once every piece arrived. The receiver's handler,
+// inside its own progress call, copies the piece; with the last one the cell's tail, then the
+// flag word with a release:
 // the order of a put, a fence and the signal put, without the fence's round trip. Why not RMA
 // (ucp_put_nbx into the registered segment, ucp_worker_fence, the flag put), as first built:
 //   * over tcp UCX emulates RMA with active messages anyway (the data lands inside the target's
