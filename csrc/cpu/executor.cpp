@@ -193,6 +193,33 @@ std::string CpuExecutor::wait_wired(double timeout_s) {
 void CpuExecutor::stop_wireup() {
   if (link_ != nullptr) link_->stop_wireup();
 }
+void CpuExecutor::debug_forge(int rank, const std::string& what) {
+  NVRAR_CHECK(link_ != nullptr && rank >= 0 && rank < cfg_.world && remote(rank), "debug_forge: rank ", rank,
+              " is not on another host");
+  const SegmentLayout& L = layout_;
+  const size_t cell = L.inter_cell(0, 1), zone = L.zone(0, 1);
+  const uint64_t word = flag_word(1, 1);
+  bool ok = true;
+  if (what == "outside") {  // data into the segment's header
+    ok = link_->forge(rank, 0, 64, 0, cell, 64, word);
+  } else if (what == "oversized") {  // more data than a zone holds
+    ok = link_->forge(rank, zone, L.zone_slice_bytes + 64, 0, cell, 64, word);
+  } else if (what == "beyond") {  // a piece past the end of its put
+    ok = link_->forge(rank, zone, 128, 100, cell, 64, word);
+  } else if (what == "abort-data") {  // data with the abort cell
+    ok = link_->forge(rank, zone, 64, 0, L.abort_cell(), 64, word);
+  } else if (what == "two-puts") {  // pieces of two puts (other flag words) into one cell: the second is refused
+    const size_t c1 = L.inter_cell(1, 1), z1 = L.zone(1, 1);
+    ok = link_->forge(rank, z1, 128, 0, c1, 64, flag_word(3, 1)) && link_->forge(rank, z1, 128, 64, c1, 64, flag_word(5, 1));
+  } else {
+    NVRAR_CHECK(false, "debug_forge: no message '", what, "'");
+  }
+  NVRAR_CHECK(ok, "debug_forge: the endpoint to rank ", rank, " failed");
+}
+void CpuExecutor::link_progress() {
+  if (link_ != nullptr) link_->progress();
+}
+uint64_t CpuExecutor::link_refused() const { return link_ != nullptr ? link_->refused() : 0; }
 std::string CpuExecutor::link_transports(int rank) {
   NVRAR_CHECK(rank >= 0 && rank < cfg_.world, "link_transports: no rank ", rank);
   return link_ != nullptr && remote(rank) ? link_->transports(rank) : std::string();

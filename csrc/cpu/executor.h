@@ -74,6 +74,13 @@ class CpuExecutor {
   std::string wait_wired(double timeout_s);
   void stop_wireup();
   std::string link_transports(int rank);
+  // Testing the receiver's checks across hosts (tests/test_hosts.py): sends remote rank `rank`
+  // the malformed message `what` names ("outside", "oversized", "beyond", "abort-data",
+  // "two-puts": see executor.cpp); link_progress() progresses my link once; link_refused() is
+  // how many messages my link refused.
+  void debug_forge(int rank, const std::string& what);
+  void link_progress();
+  uint64_t link_refused() const;
   bool remote(int rank) const { return !remote_.empty() && remote_[static_cast<size_t>(rank)]; }
   void attach(const std::vector<std::string>& names);
   void unlink_segment() { heap_.unlink(); }

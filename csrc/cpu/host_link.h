@@ -84,6 +84,11 @@ class HostLink {
   virtual uint64_t refused() const = 0;
   // The transports and devices UCX chose for the endpoint to `rank` ("tcp/veth1,...").
   virtual std::string transports(int rank) = 0;
+  // Testing (tests/test_hosts.py): one message with exactly this header, piece_len zero bytes
+  // and a cell image whose flag word is `word`, as a faulty or hostile peer could send; waits
+  // up to 1 s for it to leave. False if the endpoint failed.
+  virtual bool forge(int rank, size_t dst_off, size_t bytes, size_t piece_off, size_t cell_off, size_t piece_len,
+                     uint64_t word) = 0;
 };
 
 }  // namespace nvrar

@@ -314,6 +314,17 @@ class UcxLink final : public HostLink {
 
   uint64_t refused() const override { return dropped_.load(std::memory_order_relaxed); }
 
+  bool forge(int rank, size_t dst_off, size_t bytes, size_t piece_off, size_t cell_off, size_t piece_len,
+             uint64_t word) override {
+    forged_.push_back(std::vector<char>(piece_len + kCellBytes, 0));  // kept until the link closes
+    std::vector<char>& buf = forged_.back();
+    std::memcpy(buf.data() + piece_len, &word, 8);
+    const bool ok = send_piece(rank, MsgHeader{dst_off, bytes, piece_off, cell_off, rank_, kMsgMagic}, buf.data(),
+                               piece_len, buf.data() + piece_len);
+    drain_for(1.0);
+    return ok;
+  }
+
   std::string transports(int rank) override {
     Peer& p = peers_[static_cast<size_t>(rank)];
     if (p.ep == nullptr) return "";
@@ -500,6 +511,7 @@ class UcxLink final : public HostLink {
     uint64_t got = 0;   // its data bytes arrived so far
   };
   std::unordered_map<size_t, Arrival> arrivals_;  // per cell offset (NOTE [pieces])
+  std::list<std::vector<char>> forged_;           // payloads of forge() (testing)
   std::thread thread_;
   std::atomic<bool> stop_{false};
 };
