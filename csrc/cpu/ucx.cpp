@@ -154,8 +154,14 @@ class UcxLink final : public HostLink {
     ucp_params_t p;
     std::memset(&p, 0, sizeof(p));
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    // Wake-up events for blocking waits (NOTE [blocking waits]); where UCX cannot offer them, the
+    // link works without (block() then yields).
     p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-    const ucs_status_t st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
+    ucs_status_t st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
+    if (st != UCS_OK) {
+      p.features = UCP_FEATURE_AM;
+      st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
+    }
     a_.ucp_config_release(cfg);
     check(st, "initializing");
     ucp_worker_params_t wp;
