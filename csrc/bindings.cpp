@@ -129,6 +129,21 @@ PYBIND11_MODULE(_C, m) {
       .def("link_transports", &CpuExecutor::link_transports, py::arg("rank"))
       .def("_debug_forge", &CpuExecutor::debug_forge, py::arg("rank"), py::arg("what"))
       .def("link_progress", &CpuExecutor::link_progress)
+      .def("set_phase_timing", &CpuExecutor::set_phase_timing, py::arg("on"))
+      .def("take_phase_times",
+           [](CpuExecutor& ex) {
+             const PhaseTimes t = ex.take_phase_times();
+             py::dict d;
+             d["calls"] = t.calls;
+             d["call_ns"] = t.call_ns;
+             d["wait_ns"] = t.wait_ns;
+             d["reduce_ns"] = t.reduce_ns;
+             d["copy_ns"] = t.copy_ns;
+             d["cma_ns"] = t.cma_ns;
+             d["signal_ns"] = t.signal_ns;
+             d["remote_ns"] = t.remote_ns;
+             return d;
+           })
       .def("link_refused", &CpuExecutor::link_refused)
       .def("is_remote", &CpuExecutor::remote, py::arg("rank"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)

@@ -313,6 +313,8 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   NVRAR_CHECK(heap_.mine() != nullptr, "all_reduce: the communicator is closed");
   NVRAR_CHECK(heap_.attached() || cfg_.world == 1, "all_reduce: the communicator is not set up");
   if (count == 0) return;
+  const PhaseTimer call_timer(phase_timing_, &times_.call_ns);
+  times_.calls += phase_timing_ ? 1 : 0;
   const PlanKey key{in, out, count, dtype, op, algorithm};
   if (!(key == last_key_) || last_fn_ == nullptr) {
     last_fn_ = nullptr;  // a plan_call that throws leaves no half-made entry

@@ -57,6 +57,19 @@ struct Interrupt {
   void (*block)(void* ctx) = nullptr;
 };
 
+// Where a call's time goes (benchmarks/call_phases.py), summed over the calls since the last
+// read; kept only while phase timing is on (off by default: one branch per phase when off).
+struct PhaseTimes {
+  uint64_t calls = 0;
+  uint64_t call_ns = 0;    // CpuExecutor::all_reduce, entry to return
+  uint64_t wait_ns = 0;    // waits for peers' flags (spin, yield, block)
+  uint64_t reduce_ns = 0;  // reductions
+  uint64_t copy_ns = 0;    // copies: stage-in, all-gather, puts through shared memory
+  uint64_t cma_ns = 0;     // cross-memory reads and writes of local peers' private buffers
+  uint64_t signal_ns = 0;  // flag stores into peers' cells
+  uint64_t remote_ns = 0;  // puts to other hosts (issue and local completion)
+};
+
 class CpuExecutor {
  public:
   explicit CpuExecutor(const CpuConfig& cfg);
@@ -81,6 +94,13 @@ class CpuExecutor {
   void debug_forge(int rank, const std::string& what);
   void link_progress();
   uint64_t link_refused() const;
+  // Phase timing (PhaseTimes): on or off; take_phase_times() returns the sums and clears them.
+  void set_phase_timing(bool on) { phase_timing_ = on; times_ = PhaseTimes{}; }
+  PhaseTimes take_phase_times() {
+    const PhaseTimes t = times_;
+    times_ = PhaseTimes{};
+    return t;
+  }
   bool remote(int rank) const { return !remote_.empty() && remote_[static_cast<size_t>(rank)]; }
   void attach(const std::vector<std::string>& names);
   void unlink_segment() { heap_.unlink(); }
@@ -216,6 +236,8 @@ class CpuExecutor {
   CallPlan last_plan_{};
   ReduceFn last_fn_ = nullptr;
   uint64_t rng_ = 0;
+  bool phase_timing_ = false;
+  PhaseTimes times_{};
   std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
   // The call and round in flight (protocol/desc.h: count, code, elements of the round, row
   // length of a fused call), carried by every flag I send and compared with every flag I

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,22 @@
 #include "segment.h"
 
 namespace nvrar {
+
+// Adds the time of its scope to *acc when phase timing is on (PhaseTimes, executor.h).
+struct PhaseTimer {
+  uint64_t* acc;
+  std::chrono::steady_clock::time_point t0;
+  PhaseTimer(bool on, uint64_t* a) : acc(on ? a : nullptr) {
+    if (acc != nullptr) t0 = std::chrono::steady_clock::now();
+  }
+  ~PhaseTimer() {
+    if (acc != nullptr)
+      *acc += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+};
 
 // The CPU side of the Transport concept of protocol/round.h (see the file comment). A friend of
 // CpuExecutor: it reaches the executor's segment, call description and waits.
@@ -40,10 +57,12 @@ struct CpuTransport {
   bool leader() const { return true; }
   void sync() const {}
   void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.signal_ns);
     ex->signal(rank, cell, word, aux0, aux1);
   }
   bool wait(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, uint64_t* aux0, uint64_t* aux1) {
     const CpuExecutor::Site site{phase, step, peer};
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.wait_ns);
     if (ex->link_ != nullptr) {
       // Across hosts every wait drives the worker: a peer's puts land only inside my progress.
       const auto* c = reinterpret_cast<const Cell*>(my() + cell);
@@ -63,9 +82,15 @@ struct CpuTransport {
     return true;
   }
   bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
-    if (ex->remote(rank)) return remote_put_signal(rank, dst_off, src, bytes, cell, word);
-    std::memcpy(base(rank) + dst_off, src, bytes);
-    ex->signal(rank, cell, word, 0, 0);
+    if (ex->remote(rank)) {
+      const PhaseTimer t(ex->phase_timing_, &ex->times_.remote_ns);
+      return remote_put_signal(rank, dst_off, src, bytes, cell, word);
+    }
+    {
+      const PhaseTimer t(ex->phase_timing_, &ex->times_.copy_ns);
+      std::memcpy(base(rank) + dst_off, src, bytes);
+    }
+    signal(rank, cell, word, 0, 0);
     return true;
   }
   // NOTE [put-with-signal across hosts]. base(rank) is the local image of the remote rank's
@@ -112,13 +137,16 @@ struct CpuTransport {
     }
   }
   void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) const {
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.reduce_ns);
     fn(reinterpret_cast<void* const*>(dst), nd, reinterpret_cast<const void* const*>(src), ns, n, sc);
   }
   void copy(char* dst, const char* src, size_t bytes) const {
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.copy_ns);
     if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
   }
   bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
     const CpuExecutor::Site site{phase, 0, rank};
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.cma_ns);
     ex->check_remote_range(false, rank, addr, bytes, site, epoch);
     ex->cma_transfer(false, rank, dst, addr, bytes, site, epoch);
     return true;
@@ -126,6 +154,7 @@ struct CpuTransport {
   bool remote_write(int rank, const char* src, uint64_t addr, size_t bytes, Phase phase) {
     ex->jitter();
     const CpuExecutor::Site site{phase, 0, rank};
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.cma_ns);
     ex->check_remote_range(true, rank, addr, bytes, site, epoch);
     ex->cma_transfer(true, rank, const_cast<char*>(src), addr, bytes, site, epoch);
     return true;
