@@ -113,7 +113,8 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   adv_bytes_.resize(G);
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
-  round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes};
+  round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes,
+                           cfg_.hd_min_bytes};
   limits_ = CallLimits{cfg_.world, where_.N, cfg_.max_bytes, cfg_.oneshot_max_bytes, layout_.oneshot_chunk_bytes(),
                        1, 0, reinterpret_cast<uintptr_t>(pool_base()), layout_.pool_bytes};
 }
@@ -235,15 +236,25 @@ bool CpuExecutor::accept_remote_write(void* self, size_t dst_off, size_t bytes, 
   const auto* ex = static_cast<const CpuExecutor*>(self);
   const SegmentLayout& L = ex->layout_;
   if (cell_off == L.abort_cell()) return bytes == 0;
-  for (int p = 0; p < 2; ++p)
+  // Within the zone of the cell's step (a halving-doubling put fills part of it, at its offset;
+  // an all-gather step's, part of the last exchange's zone: NOTE [halving-doubling]).
+  const auto within = [&](size_t zone) {
+    return bytes == 0 || (dst_off >= zone && dst_off - zone <= L.zone_slice_bytes && bytes <= L.zone_slice_bytes - (dst_off - zone));
+  };
+  for (int p = 0; p < 2; ++p) {
     for (int slot = 0; slot < L.S; ++slot)
-      if (cell_off == L.inter_cell(p, slot))
-        return bytes == 0 || (dst_off == L.zone(p, slot) && bytes <= L.zone_slice_bytes);
+      if (cell_off == L.inter_cell(p, slot)) return within(L.zone(p, slot));
+    for (int k = 0; k < L.S - 2; ++k)
+      if (cell_off == L.gather_cell(p, k)) return within(L.zone(p, L.S - 2));
+  }
   return false;
 }
 
 int CpuExecutor::inter_step_of(size_t cell) const {
   const InterSchedule sched = InterSchedule::make(where_.N, where_.node);
+  for (int k = 0; k < sched.K; ++k)  // halving-doubling's all-gather steps follow the exchanges
+    if (layout_.gather_cell(0, k) == cell || layout_.gather_cell(1, k) == cell)
+      return (sched.has_fold_partner() ? 1 : 0) + sched.K + (sched.K - 1 - k);
   for (int i = 0; i < sched.num_steps(); ++i) {
     const InterStep st = sched.step(i);
     if (st.send && (layout_.inter_cell(0, st.slot) == cell || layout_.inter_cell(1, st.slot) == cell)) return i;

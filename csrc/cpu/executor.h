@@ -42,6 +42,7 @@ struct CpuConfig {
   size_t cma_min_bytes = 0;      // smallest shard (bytes) moved by cross-memory reads/writes
   size_t cma_piece_bytes = 0;    // cross-memory transfers go piece by piece, this large (bytes)
   size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
+  size_t hd_min_bytes = 0;       // inter-node shards from this size use halving-doubling (0: never)
   std::string secret;            // kSecretBytes drawn by rank 0, the same on every rank
 };
 
