@@ -212,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     why = _netns.why_not()
     if why:
         raise SystemExit(f"hosts_bench: {why}")
-    mpirun, mpi_why = ("", "--launcher env") if args.launcher == "env" else _netns_mpi.find_mpirun()
+    mpirun, mpi_why = ("", "--launcher env: the ranks are not started by mpirun") if args.launcher == "env" else _netns_mpi.find_mpirun()
     if args.launcher == "mpirun" and not mpirun:
         raise SystemExit(f"hosts_bench: --launcher mpirun: {mpi_why}")
     if not mpirun:
