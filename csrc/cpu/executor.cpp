@@ -501,11 +501,12 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
 // once where nothing else wants the core, so a late peer costs a few system calls, not a
 // sleep), with the deadline, the peer's liveness and the caller's signal check about every
 // 50 ms; after kYieldPhase it sleeps between polls. A wait for a message from another host
-// blocks on the link's event instead (HostLink::block: the worker's event fd, woken by the
-// network, at most 1 ms), so the core goes to whoever needs it and the waiter wakes when its
-// data arrives, not at the next turn of a yield loop.
-void CpuExecutor::Yield::operator()(bool late) const {
-  if (!late) {
+// yields for CpuTransport::kRemoteYieldNs, then blocks on the link's event (HostLink::block: the
+// worker's event fd, woken by the network, at most 1 ms), so that in a long wait the core goes
+// to whoever needs it and the waiter wakes when its data arrives, not at the next turn of a
+// yield loop; a short one (a small message) does not pay a sleeping thread's wake-up.
+void CpuExecutor::Yield::operator()(uint64_t waited_ns) const {
+  if (waited_ns < static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(kYieldPhase).count())) {
     sched_yield();
   } else {
     struct timespec ts = {0, kSleepNs};
@@ -569,7 +570,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
         fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
       next_liveness = now + kLivenessPeriod;
     }
-    idle(now - start >= kYieldPhase);
+    idle(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count()));
   }
 }
 

@@ -161,10 +161,11 @@ class CpuExecutor {
   void wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig, const Site& site);
   // Polls `ready` (true: done) under the deadline, the abort cell and the peer's liveness;
   // `observed` names what was seen, for the timeout message.
-  // How a waiter gives its core away after the spin (NOTE [waiting]): sched_yield, or a sleep once
-  // the wait is `late`. A wait for another host blocks on the link's event instead (transport.h).
+  // How a waiter gives its core away after the spin, given how long it has waited (NOTE
+  // [waiting]): sched_yield, then sleeps. A wait for another host blocks on the link's event
+  // instead once it has yielded a while (transport.h).
   struct Yield {
-    void operator()(bool late) const;
+    void operator()(uint64_t waited_ns) const;
   };
   template <typename Ready, typename Observed, typename Idle = Yield>
   void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle = Idle{});

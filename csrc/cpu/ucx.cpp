@@ -289,8 +289,9 @@ class UcxLink final : public HostLink {
     return reap();
   }
 
-  // NOTE [blocking waits]: a waiter that spun in vain arms the worker and sleeps in poll() on
-  // its event fd; UCX answers "busy" instead of arming while it still has events to progress, and
+  // NOTE [blocking waits]: a waiter that spun in vain progresses the worker until it has nothing
+  // left, arms it and sleeps in poll() on its event fd; UCX answers "busy" instead of arming
+  // while it still has events to progress, and
   // the fd wakes on a message or on room for a pending send. The timeout bounds how late the
   // caller sees what arrives without an event (its abort cell, written by local peers).
   void block(long timeout_ns) override {
@@ -298,6 +299,9 @@ class UcxLink final : public HostLink {
       sched_yield();
       return;
     }
+    // UCX arms only a worker progressed until it has nothing left: an event it already consumed
+    // from a socket would wake no one. Anything done here returns at once (the caller checks).
+    if (a_.ucp_worker_progress(worker_) != 0) return;
     if (a_.ucp_worker_arm(worker_) != UCS_OK) return;  // UCS_ERR_BUSY: progress first
     struct pollfd pfd = {efd_, POLLIN, 0};
     const struct timespec ts = {0, timeout_ns};
