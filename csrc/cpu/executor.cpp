@@ -502,7 +502,7 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
 // sleep), with the deadline, the peer's liveness and the caller's signal check about every
 // 50 ms; after kYieldPhase it sleeps between polls. A wait for a message from another host
 // yields for CpuTransport::kRemoteYieldNs, then blocks on the link's event (HostLink::block: the
-// worker's event fd, woken by the network, at most 1 ms), so that in a long wait the core goes
+// worker's event fd, woken by the network, at most 200 us), so that in a long wait the core goes
 // to whoever needs it and the waiter wakes when its data arrives, not at the next turn of a
 // yield loop; a short one (a small message) does not pay a sleeping thread's wake-up.
 void CpuExecutor::Yield::operator()(uint64_t waited_ns) const {

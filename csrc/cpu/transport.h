@@ -49,7 +49,7 @@ struct PhaseTimer {
 struct CpuTransport {
   // Longest a wait for another host blocks on the link's event between checks of its abort cell
   // (which local peers write through shared memory, without an event), deadline and liveness.
-  static constexpr long kBlockNs = 1000 * 1000;
+  static constexpr long kBlockNs = 200 * 1000;
   // How long such a wait yields (progressing the link between yields) before it blocks: a small
   // message's wait ends within it; waking a blocked thread costs 100-200 us on this VM.
   static constexpr uint64_t kRemoteYieldNs = 300 * 1000;
@@ -118,13 +118,8 @@ struct CpuTransport {
       ex->fail(ProtocolError::Kind::kTimeout, "cannot reach the peer's host: " + link->peer_error(rank), site, epoch,
                0);
     if (!link->progress())
-      ex->spin_until([&] { return link->progress(); }, [] { return uint64_t{0}; }, site, epoch,
-                     [link](uint64_t waited_ns) {
-                       if (waited_ns < kRemoteYieldNs)
-                         sched_yield();
-                       else
-                         link->block(kBlockNs);
-                     });
+      // (yields, never blocks: room in a full socket need not come with an event of the fd)
+      ex->spin_until([&] { return link->progress(); }, [] { return uint64_t{0}; }, site, epoch);
     return true;
   }
   // LL packets go straight into the peer's LL zone, one 8-byte atomic store each. The call
