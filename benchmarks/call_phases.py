@@ -7,8 +7,11 @@ One rank: thread CPU time per call (robust to a loaded host); two ranks: wall ti
 number is a median over many calls of the layer alone, the layers measured one after the
 other in the same process (run the old and the new build alternately to compare them: the
 timings are ratios within one run, never absolute). `two` prints rank 0's view; cold puts an
-MPI barrier before each timed call, warm times back-to-back calls. Prints one JSON object per
-line (tag, size, us) after a human-readable table.
+MPI barrier before each timed call, warm times back-to-back calls; then, per size and timing,
+rank 0's phases inside the C++ call (`phase ...`: the call, waits, reductions, copies,
+cross-memory transfers, flag stores, puts to other hosts, and the rest; per phase the median
+over the calls, from the executor's phase timing). Prints one JSON object per line (tag, size, us) after a
+human-readable table.
 """
 
 from __future__ import annotations
@@ -102,6 +105,25 @@ def two_ranks() -> List[Dict[str, Any]]:
                 tmax = np.empty_like(ts)
                 world.Allreduce(ts, tmax, op=MPI.MAX)
                 rows.append({"tag": f"{timing} {name}", "bytes": size, "us": float(np.median(tmax))})
+        # Inside the C++ call (rank 0's own phases, CpuExecutor phase timing, which adds a few
+        # clock reads per call): per phase the median over the calls of its us in one call;
+        # "other" is the call minus the phases (checks, plan lookup, round bookkeeping).
+        keys = ("call_ns", "wait_ns", "reduce_ns", "copy_ns", "cma_ns", "signal_ns", "remote_ns")
+        for timing in ("warm", "cold") if hasattr(ex, "set_phase_timing") else ():  # (older builds: none)
+            ex.set_phase_timing(True)
+            per_call = np.zeros((iters, len(keys)))
+            world.Barrier()
+            for i in range(iters):
+                if timing == "cold":
+                    world.Barrier()
+                c.all_reduce(t)
+                pt = ex.take_phase_times()
+                per_call[i] = [pt[k] / 1e3 for k in keys]
+            ex.set_phase_timing(False)
+            other = per_call[:, 0] - per_call[:, 1:].sum(axis=1)
+            for j, k in enumerate(keys):
+                rows.append({"tag": f"{timing} phase {k[:-3]}", "bytes": size, "us": float(np.median(per_call[:, j]))})
+            rows.append({"tag": f"{timing} phase other", "bytes": size, "us": float(np.median(other))})
     c.close()
     return rows if world.rank == 0 else []
 

@@ -92,7 +92,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CpuExecutor>(m, "CpuExecutor")
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
                        size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
-                       size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes, py::bytes secret) {
+                       size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes, py::bytes secret,
+                       size_t hd_min_bytes) {
              CpuConfig c;
              c.rank = rank;
              c.world = world;
@@ -108,12 +109,13 @@ PYBIND11_MODULE(_C, m) {
              c.cma_piece_bytes = cma_piece_bytes;
              c.ll_max_bytes = ll_max_bytes;
              c.secret = secret;
+             c.hd_min_bytes = hd_min_bytes;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us"),
            py::arg("jitter_seed"), py::arg("cma"), py::arg("cma_min_bytes"), py::arg("cma_piece_bytes"),
-           py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"))
+           py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"), py::arg("hd_min_bytes"))
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def(
@@ -127,6 +129,24 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_wired", &CpuExecutor::wait_wired, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("stop_wireup", &CpuExecutor::stop_wireup, py::call_guard<py::gil_scoped_release>())
       .def("link_transports", &CpuExecutor::link_transports, py::arg("rank"))
+      .def("_debug_forge", &CpuExecutor::debug_forge, py::arg("rank"), py::arg("what"))
+      .def("link_progress", &CpuExecutor::link_progress)
+      .def("set_phase_timing", &CpuExecutor::set_phase_timing, py::arg("on"))
+      .def("take_phase_times",
+           [](CpuExecutor& ex) {
+             const PhaseTimes t = ex.take_phase_times();
+             py::dict d;
+             d["calls"] = t.calls;
+             d["call_ns"] = t.call_ns;
+             d["wait_ns"] = t.wait_ns;
+             d["reduce_ns"] = t.reduce_ns;
+             d["copy_ns"] = t.copy_ns;
+             d["cma_ns"] = t.cma_ns;
+             d["signal_ns"] = t.signal_ns;
+             d["remote_ns"] = t.remote_ns;
+             return d;
+           })
+      .def("link_refused", &CpuExecutor::link_refused)
       .def("is_remote", &CpuExecutor::remote, py::arg("rank"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
       .def("probe_cma", &CpuExecutor::probe_cma)
@@ -255,6 +275,8 @@ PYBIND11_MODULE(_C, m) {
                   add("llout" + ps + ss + bs, L.llout(p, sl, b), L.ll_slice_bytes);
                 }
               }
+              for (int k = 0; k < L.S - 2; ++k)
+                add("gather" + ps + "/" + std::to_string(k) + bs, L.gather_cell(p, k, b), L.cell_stride);
             }
           }
           add("pool", L.pool_off, L.pool_bytes);

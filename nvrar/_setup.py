@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .errors import NvrarError
 from .settings import AGREED, SECRET_BYTES, Settings
 
-__all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device", "find_ucx", "route_device"]
+__all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device", "find_ucx", "preload_ucx",
+           "route_device"]
 
 UCX_EXTRA = "pip install 'nvrar[ucx]'"
 
@@ -83,6 +84,34 @@ def _raise_failed(statuses: Sequence[Dict[str, Any]]) -> None:
         raise NvrarError("Communicator setup failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
 
 
+def _loaded_ucs() -> List[str]:
+    """The libucs files mapped into this process (from /proc/self/maps; [] where it cannot be read)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/libucs.so" in line}
+    except (OSError, IndexError):
+        return []
+    return sorted(p for p in paths if p.startswith("/"))
+
+
+def preload_ucx() -> None:
+    """Load the libucx wheel's UCX now, if it is installed and mpi4py has not loaded MPI yet.
+
+    Open MPI's wheel links its own, older UCX (libucs.so.0 & co. of the same sonames); loaded first,
+    it takes the place of the wheel's for every later library that needs those sonames, and nvrar's
+    UCX then fails to load or misbehaves. Loaded first, the wheel's UCX serves both (Open MPI's
+    ob1/tcp path does not care). bootstrap.create calls it before importing mpi4py where the
+    launcher says the ranks span hosts, nvrar-bench's ranks before theirs; never raises."""
+    if "mpi4py.MPI" in sys.modules:
+        return
+    try:
+        import libucx
+
+        libucx.load_library()
+    except Exception:  # not installed, or it does not load here: find_ucx says why, if UCX is needed
+        pass
+
+
 def find_ucx() -> Tuple[str, str]:
     """(path of libucp from the libucx-cu12 wheel, "") or ("", why not)."""
     from . import _C
@@ -97,6 +126,12 @@ def find_ucx() -> Tuple[str, str]:
     lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
     if not os.path.isfile(lib):
         return "", f"the libucx wheel at {os.path.dirname(libucx.__file__)} has no lib/libucp.so.0: {UCX_EXTRA}"
+    wheel_dir = os.path.realpath(os.path.dirname(lib))
+    loaded = [os.path.dirname(os.path.realpath(p)) for p in _loaded_ucs()]
+    if loaded and wheel_dir not in loaded:
+        return "", (f"another UCX ({_loaded_ucs()[0]}, e.g. the one Open MPI's wheel bundles) was loaded into this "
+                    "process before the libucx wheel's, and the two cannot share it (same sonames): load the wheel's "
+                    "first (`import libucx; libucx.load_library()` before `from mpi4py import MPI`)")
     try:
         libucx.load_library()  # its libucs/libuct, loaded the way the wheel intends
     except OSError as exc:
@@ -164,7 +199,7 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
                 jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
                 cma_piece_bytes=st.cma_piece_bytes,
                 # LL packets never cross hosts (NOTE [put-with-signal across hosts], csrc/cpu/host_link.h)
-                ll_max_bytes=0 if multi else st.ll_max_bytes, secret=secret)
+                ll_max_bytes=0 if multi else st.ll_max_bytes, secret=secret, hd_min_bytes=st.hd_min_bytes)
             created["segment"] = ex.segment_name
             if multi:
                 dev = route_device(os.environ.get("MASTER_ADDR"))

@@ -23,7 +23,8 @@ from typing import Any, List, Optional
 from .errors import NvrarError, NvrarTimeoutError
 from .settings import TIMEOUT_S
 
-__all__ = ["Bootstrap", "SingleBootstrap", "create", "launcher_local_size", "mpi_launched"]
+__all__ = ["Bootstrap", "SingleBootstrap", "create", "launcher_local_size", "mpi_launched",
+           "preload_ucx_across_hosts"]
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -65,6 +66,16 @@ def _launcher_world_size() -> Optional[int]:
         if value:
             return value
     return None
+
+
+def preload_ucx_across_hosts() -> None:
+    """Where the launcher says the ranks span hosts (its local size below its world size), load the
+    libucx wheel's UCX before mpi4py loads MPI (nvrar._setup.preload_ucx says why)."""
+    local, world = launcher_local_size(), _launcher_world_size()
+    if local is not None and world is not None and local < world:
+        from ._setup import preload_ucx
+
+        preload_ucx()
 
 
 class Bootstrap:
@@ -319,6 +330,7 @@ def create(group: Any, timeout: float) -> Bootstrap:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return TorchBootstrap(dist.group.WORLD, timeout)
     if mpi_launched():
+        preload_ucx_across_hosts()  # before mpi4py loads an MPI that bundles its own UCX
         try:
             from mpi4py import MPI
         except ImportError:

@@ -77,6 +77,13 @@ VARIABLES: Dict[str, EnvVar] = {
             "the GPU's LL logic). Must be equal on every rank.",
         ),
         EnvVar(
+            "NVRAR_HD_MIN_BYTES",
+            _defaults.per_device_text(_defaults.HD_MIN_BYTES),
+            "CPU executor: inter-node shards from this size go by halving-doubling (Rabenseifner: "
+            "bitwise the same result as recursive doubling, fewer bytes sent with 4 or more nodes) "
+            "instead of recursive doubling; 0 is never (the GPU's default). Must be equal on every rank.",
+        ),
+        EnvVar(
             "NVRAR_TUNING_FILE",
             "~/.cache/nvrar/tuning.json",
             "Tuning tables written by `nvrar tune`, read when nvrar.torch sets up a group; a table is "
@@ -202,6 +209,7 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
         algorithm = _env_algorithm() or _defaults.ALGORITHM
     _defaults.algorithm_code(algorithm)
     ll = get_bytes("NVRAR_LL_MAX_BYTES")
+    hd = get_bytes("NVRAR_HD_MIN_BYTES")
     cpu = device == "cpu"  # the CPU executor's own variables are read (and checked) only there
     cma_min = get_bytes("NVRAR_CMA_MIN_BYTES") if cpu else None
     cma = get_int("NVRAR_CMA") if cpu else None
@@ -214,6 +222,7 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
         algorithm=algorithm,
         oneshot_max_bytes=get_bytes("NVRAR_ONESHOT_MAX_BYTES"),
         ll_max_bytes=_defaults.LL_MAX_BYTES[device] if ll is None else ll,
+        hd_min_bytes=_defaults.HD_MIN_BYTES[device] if hd is None else hd,
         jitter_us=(get_float("NVRAR_JITTER_US") if cpu else None) or _defaults.JITTER_US,
         jitter_seed=(get_int("NVRAR_JITTER_SEED") if cpu else None) or _defaults.JITTER_SEED,
         cma=_defaults.CMA if cma is None else cma != 0,

@@ -20,7 +20,7 @@ from . import _C
 __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
-           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "AGREED"]
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -114,6 +114,12 @@ CMA_PIECE_BYTES = 128 << 10
 # shared memory cost nothing); tests switch it on to run the GPU's LL logic on the CPU.
 LL_MAX_BYTES: Dict[str, int] = {"cpu": 0, "cuda": 32 << 10}
 
+# Inter-node shards from this size (bytes) go by halving-doubling instead of recursive doubling
+# (NOTE [halving-doubling] in csrc/protocol/round.h: the same bits, 2 (N'-1)/N' of the shard sent
+# per rank instead of log2 N' times it; used with 4 or more nodes). CPU only; the GPU executor
+# keeps recursive doubling (0).
+HD_MIN_BYTES: Dict[str, int] = {"cpu": 256 << 10, "cuda": 0}
+
 JITTER_US = 0.0
 JITTER_SEED = 0
 CMA = True
@@ -122,7 +128,7 @@ CMA = True
 # rank must use the same values, checked once at construction (field -> name in the error).
 AGREED: Dict[str, str] = {"ranks_per_node": "ranks_per_node", "max_bytes": "max_bytes", "heap_bytes": "heap_bytes",
                           "algorithm": "algorithm", "ll_max_bytes": "NVRAR_LL_MAX_BYTES",
-                          "oneshot_max_bytes": "NVRAR_ONESHOT_MAX_BYTES"}
+                          "oneshot_max_bytes": "NVRAR_ONESHOT_MAX_BYTES", "hd_min_bytes": "NVRAR_HD_MIN_BYTES"}
 
 
 def size_text(nbytes: int) -> str:
@@ -167,6 +173,7 @@ class Settings:
     algorithm: str
     oneshot_max_bytes: Optional[int]  # NVRAR_ONESHOT_MAX_BYTES; None: by layout (oneshot_max)
     ll_max_bytes: int
+    hd_min_bytes: int  # NVRAR_HD_MIN_BYTES (0: never)
     jitter_us: float
     jitter_seed: int
     cma: bool

@@ -128,5 +128,53 @@ def task_hosts_torch(args: dict) -> dict:
     return res
 
 
+FORGED = ("outside", "oversized", "beyond", "abort-data", "two-puts")
+
+
+def task_hosts_forged(args: dict) -> dict:
+    """Rank 0 sends rank 1 (on another host) each malformed message of CpuExecutor::debug_forge
+    (data outside the zones, more than a zone, a piece past its put, data with the abort cell,
+    pieces of two puts into one cell), as a faulty or hostile peer could; rank 1's link must refuse
+    every one, and its next call raise a protocol violation."""
+    comm = nvrar.Communicator(ranks_per_node=1, timeout=args["timeout"])
+    rank = comm.rank
+    x = np.ones(4096, dtype=np.float32)
+    comm.all_reduce(x)
+    out: Dict[str, Any] = {"first_ok": bool((x == comm.world_size).all())}
+    forged = os.path.join(args["dir"], "forged")
+    counted = os.path.join(args["dir"], "counted")
+
+    def wait_file(path: str) -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(path)
+            time.sleep(0.01)
+
+    if rank == 0:
+        for what in FORGED:
+            comm._ex._debug_forge(1, what)
+        open(forged, "w").close()
+        wait_file(counted)
+    else:
+        wait_file(forged)
+        until = time.monotonic() + 10
+        while comm._ex.link_refused() < len(FORGED) and time.monotonic() < until:
+            comm._ex.link_progress()
+            time.sleep(0.001)
+        time.sleep(0.2)  # a message refused late would show up here
+        comm._ex.link_progress()
+        out["refused"] = comm._ex.link_refused()
+        open(counted, "w").close()
+    try:
+        x.fill(1)
+        comm.all_reduce(x)
+        out["second_ok"] = bool((x == comm.world_size).all())
+    except Exception as exc:
+        out["exception"] = _error(exc)
+    comm.close()
+    return out
+
+
 TASKS = {name[len("task_"):]: fn for name, fn in list(globals().items()) if name.startswith("task_hosts_")}
 __all__: List[str] = ["TASKS"]

@@ -365,7 +365,32 @@ def task_stop(args: dict) -> dict:
     return out
 
 
-TASKS = {"close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+def task_phase_times(args: dict) -> dict:
+    """The executor's phase timing (benchmarks/call_phases.py): off, nothing is kept; on, every
+    call is counted and its phases lie within it."""
+    comm = nvrar.Communicator()
+    ex = comm._ex
+    W = comm.world_size
+    small = np.ones(2048, np.float32)
+    large = np.ones(1 << 18, np.float32)
+    comm.all_reduce(small)
+    off = ex.take_phase_times()
+    ex.set_phase_timing(True)
+    ok = True
+    for _ in range(10):
+        small.fill(1)
+        large.fill(1)
+        comm.all_reduce(small, algorithm="one-shot")
+        comm.all_reduce(large, algorithm="two-shot")
+        ok = ok and bool((small == W).all() and (large == W).all())
+    on = ex.take_phase_times()
+    after = ex.take_phase_times()
+    ex.set_phase_timing(False)
+    comm.close()
+    return {"off": off, "on": on, "after": after, "ok": ok}
+
+
+TASKS = {"phase_times": task_phase_times, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
          "closed_peer": task_closed_peer, "stop": task_stop}
 

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 import _netns
+from _hosts_tasks import FORGED
 from _launch import HERE, WORKER, RankResult, assert_all_ok, describe, free_port, launch
 
 WHY_NOT = _netns.why_not()
@@ -105,9 +106,13 @@ LAYOUTS = [(2, 1, 1), (2, 2, 2), (3, 1, 1), (2, 2, 1)]
 
 @pytest.mark.parametrize("n_hosts,per_host,G", LAYOUTS, ids=[f"{n}x{h}-G{g}" for n, h, g in LAYOUTS])
 def test_matrix_across_hosts(n_hosts, per_host, G):
-    """Correct on every rank, bitwise across ranks, bitwise equal to one host, over tcp only."""
+    """Correct on every rank, bitwise across ranks, bitwise equal to one host (there by recursive
+    doubling only), over tcp only."""
     args = {"G": G, "max_bytes": 65536}
-    results, shm, left = run_hosts(n_hosts, per_host, "hosts_matrix", args)
+    # 2 x 2 as 4 nodes: halving-doubling across hosts for shards from 16 KB (its puts land at
+    # offsets inside the zones), compared bitwise with recursive doubling on one host below.
+    env = {"NVRAR_HD_MIN_BYTES": "16K"} if n_hosts * per_host // G >= 4 else None
+    results, shm, left = run_hosts(n_hosts, per_host, "hosts_matrix", args, env=env)
     reports = assert_all_ok(results)
     assert left == [], f"namespaces left behind: {left}"
     assert shm == [""] * n_hosts, f"/dev/shm not empty after the run: {shm}"
@@ -243,6 +248,26 @@ def test_fault_rank_stopped():
                                                           "at": 8}, rank_env={3: {key: value}}, during=watch, timeout=120)
     check_survivors(results, [0, 1, 2], t["at"], "rank 3 stopped")
     assert shm == ["", ""] and left == []
+
+
+def test_forged_messages_refused():
+    """2 hosts x 1 rank: every malformed message rank 0 forges (tests/_hosts_tasks.py FORGED) is
+    refused by rank 1's link, none lands, and rank 1's next call raises a protocol violation that
+    names rank, peer, phase and step."""
+    results, shm, left = run_hosts(2, 1, "hosts_forged", {"timeout": 20.0})
+    reps = [r.report for r in results]
+    assert all(rep is not None for rep in reps), describe(results)
+    assert all(rep["first_ok"] for rep in reps), reps
+    assert reps[1]["refused"] == len(FORGED), reps[1]
+    exc = reps[1].get("exception")
+    assert exc is not None and exc["is_nvrar"], reps[1]
+    assert "refused" in exc["message"] and exc["kind"] == "violation", exc
+    for field in ("rank", "peer", "phase", "step"):
+        assert exc[field] is not None, (field, exc)
+    assert exc["rank"] == 1 and exc["peer"] == 0, exc
+    # rank 0's second call either completed (rank 1 had sent its data before it raised) or raised
+    assert reps[0].get("second_ok") is True or reps[0]["exception"]["is_nvrar"], reps[0]
+    assert left == [] and shm == ["", ""], (left, shm)
 
 
 def test_without_ucx_names_the_extra():

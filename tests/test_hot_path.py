@@ -167,3 +167,18 @@ def test_fork_check_still_fires_in_a_child(comm):
     got = os.read(r, 1)
     os.waitpid(pid, 0)
     assert got == bytes([0])
+
+
+def test_phase_timing_counts_every_call_and_its_phases_lie_within_it():
+    from _launch import assert_all_ok, launch
+
+    for rep in assert_all_ok(launch(2, "phase_times")):
+        assert rep["ok"]
+        assert rep["off"]["calls"] == 0 and rep["off"]["call_ns"] == 0, rep["off"]
+        on = rep["on"]
+        assert on["calls"] == 20, on
+        parts = sum(on[k] for k in ("wait_ns", "reduce_ns", "copy_ns", "cma_ns", "signal_ns", "remote_ns"))
+        assert 0 < parts <= on["call_ns"], on
+        assert on["reduce_ns"] > 0 and on["signal_ns"] > 0 and on["copy_ns"] + on["cma_ns"] > 0, on
+        assert on["remote_ns"] == 0, on  # one host
+        assert rep["after"]["calls"] == 0, rep["after"]  # take_phase_times() clears

@@ -113,7 +113,8 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   adv_bytes_.resize(G);
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
-  round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes};
+  round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes,
+                           cfg_.hd_min_bytes};
   limits_ = CallLimits{cfg_.world, where_.N, cfg_.max_bytes, cfg_.oneshot_max_bytes, layout_.oneshot_chunk_bytes(),
                        1, 0, reinterpret_cast<uintptr_t>(pool_base()), layout_.pool_bytes};
 }
@@ -193,6 +194,33 @@ std::string CpuExecutor::wait_wired(double timeout_s) {
 void CpuExecutor::stop_wireup() {
   if (link_ != nullptr) link_->stop_wireup();
 }
+void CpuExecutor::debug_forge(int rank, const std::string& what) {
+  NVRAR_CHECK(link_ != nullptr && rank >= 0 && rank < cfg_.world && remote(rank), "debug_forge: rank ", rank,
+              " is not on another host");
+  const SegmentLayout& L = layout_;
+  const size_t cell = L.inter_cell(0, 1), zone = L.zone(0, 1);
+  const uint64_t word = flag_word(1, 1);
+  bool ok = true;
+  if (what == "outside") {  // data into the segment's header
+    ok = link_->forge(rank, 0, 64, 0, cell, 64, word);
+  } else if (what == "oversized") {  // more data than a zone holds
+    ok = link_->forge(rank, zone, L.zone_slice_bytes + 64, 0, cell, 64, word);
+  } else if (what == "beyond") {  // a piece past the end of its put
+    ok = link_->forge(rank, zone, 128, 100, cell, 64, word);
+  } else if (what == "abort-data") {  // data with the abort cell
+    ok = link_->forge(rank, zone, 64, 0, L.abort_cell(), 64, word);
+  } else if (what == "two-puts") {  // pieces of two puts (other flag words) into one cell: the second is refused
+    const size_t c1 = L.inter_cell(1, 1), z1 = L.zone(1, 1);
+    ok = link_->forge(rank, z1, 128, 0, c1, 64, flag_word(3, 1)) && link_->forge(rank, z1, 128, 64, c1, 64, flag_word(5, 1));
+  } else {
+    NVRAR_CHECK(false, "debug_forge: no message '", what, "'");
+  }
+  NVRAR_CHECK(ok, "debug_forge: the endpoint to rank ", rank, " failed");
+}
+void CpuExecutor::link_progress() {
+  if (link_ != nullptr) link_->progress();
+}
+uint64_t CpuExecutor::link_refused() const { return link_ != nullptr ? link_->refused() : 0; }
 std::string CpuExecutor::link_transports(int rank) {
   NVRAR_CHECK(rank >= 0 && rank < cfg_.world, "link_transports: no rank ", rank);
   return link_ != nullptr && remote(rank) ? link_->transports(rank) : std::string();
@@ -208,15 +236,25 @@ bool CpuExecutor::accept_remote_write(void* self, size_t dst_off, size_t bytes, 
   const auto* ex = static_cast<const CpuExecutor*>(self);
   const SegmentLayout& L = ex->layout_;
   if (cell_off == L.abort_cell()) return bytes == 0;
-  for (int p = 0; p < 2; ++p)
+  // Within the zone of the cell's step (a halving-doubling put fills part of it, at its offset;
+  // an all-gather step's, part of the last exchange's zone: NOTE [halving-doubling]).
+  const auto within = [&](size_t zone) {
+    return bytes == 0 || (dst_off >= zone && dst_off - zone <= L.zone_slice_bytes && bytes <= L.zone_slice_bytes - (dst_off - zone));
+  };
+  for (int p = 0; p < 2; ++p) {
     for (int slot = 0; slot < L.S; ++slot)
-      if (cell_off == L.inter_cell(p, slot))
-        return bytes == 0 || (dst_off == L.zone(p, slot) && bytes <= L.zone_slice_bytes);
+      if (cell_off == L.inter_cell(p, slot)) return within(L.zone(p, slot));
+    for (int k = 0; k < L.S - 2; ++k)
+      if (cell_off == L.gather_cell(p, k)) return within(L.zone(p, L.S - 2));
+  }
   return false;
 }
 
 int CpuExecutor::inter_step_of(size_t cell) const {
   const InterSchedule sched = InterSchedule::make(where_.N, where_.node);
+  for (int k = 0; k < sched.K; ++k)  // halving-doubling's all-gather steps follow the exchanges
+    if (layout_.gather_cell(0, k) == cell || layout_.gather_cell(1, k) == cell)
+      return (sched.has_fold_partner() ? 1 : 0) + sched.K + (sched.K - 1 - k);
   for (int i = 0; i < sched.num_steps(); ++i) {
     const InterStep st = sched.step(i);
     if (st.send && (layout_.inter_cell(0, st.slot) == cell || layout_.inter_cell(1, st.slot) == cell)) return i;
@@ -286,6 +324,8 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   NVRAR_CHECK(heap_.mine() != nullptr, "all_reduce: the communicator is closed");
   NVRAR_CHECK(heap_.attached() || cfg_.world == 1, "all_reduce: the communicator is not set up");
   if (count == 0) return;
+  const PhaseTimer call_timer(phase_timing_, &times_.call_ns);
+  times_.calls += phase_timing_ ? 1 : 0;
   const PlanKey key{in, out, count, dtype, op, algorithm};
   if (!(key == last_key_) || last_fn_ == nullptr) {
     last_fn_ = nullptr;  // a plan_call that throws leaves no half-made entry
@@ -460,9 +500,22 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
 // bindings release the GIL there, not before), then sched_yield between polls (which returns at
 // once where nothing else wants the core, so a late peer costs a few system calls, not a
 // sleep), with the deadline, the peer's liveness and the caller's signal check about every
-// 50 ms; after kYieldPhase it sleeps between polls.
-template <typename Ready, typename Observed>
-void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch) {
+// 50 ms; after kYieldPhase it sleeps between polls. A wait for a message from another host
+// yields for CpuTransport::kRemoteYieldNs, then blocks on the link's event (HostLink::block: the
+// worker's event fd, woken by the network, at most 200 us), so that in a long wait the core goes
+// to whoever needs it and the waiter wakes when its data arrives, not at the next turn of a
+// yield loop; a short one (a small message) does not pay a sleeping thread's wake-up.
+void CpuExecutor::Yield::operator()(uint64_t waited_ns) const {
+  if (waited_ns < static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(kYieldPhase).count())) {
+    sched_yield();
+  } else {
+    struct timespec ts = {0, kSleepNs};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+template <typename Ready, typename Observed, typename Idle>
+void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle) {
   if (ready()) return;
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   using clock = std::chrono::steady_clock;
@@ -517,12 +570,7 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
         fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
       next_liveness = now + kLivenessPeriod;
     }
-    if (now - start < kYieldPhase) {
-      sched_yield();
-    } else {
-      struct timespec ts = {0, kSleepNs};
-      nanosleep(&ts, nullptr);
-    }
+    idle(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count()));
   }
 }
 

@@ -42,6 +42,7 @@ struct CpuConfig {
   size_t cma_min_bytes = 0;      // smallest shard (bytes) moved by cross-memory reads/writes
   size_t cma_piece_bytes = 0;    // cross-memory transfers go piece by piece, this large (bytes)
   size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
+  size_t hd_min_bytes = 0;       // inter-node shards from this size use halving-doubling (0: never)
   std::string secret;            // kSecretBytes drawn by rank 0, the same on every rank
 };
 
@@ -55,6 +56,19 @@ struct Interrupt {
   bool (*check)(void* ctx, std::string* why);
   void* ctx;
   void (*block)(void* ctx) = nullptr;
+};
+
+// Where a call's time goes (benchmarks/call_phases.py), summed over the calls since the last
+// read; kept only while phase timing is on (off by default: one branch per phase when off).
+struct PhaseTimes {
+  uint64_t calls = 0;
+  uint64_t call_ns = 0;    // CpuExecutor::all_reduce, entry to return
+  uint64_t wait_ns = 0;    // waits for peers' flags (spin, yield, block)
+  uint64_t reduce_ns = 0;  // reductions
+  uint64_t copy_ns = 0;    // copies: stage-in, all-gather, puts through shared memory
+  uint64_t cma_ns = 0;     // cross-memory reads and writes of local peers' private buffers
+  uint64_t signal_ns = 0;  // flag stores into peers' cells
+  uint64_t remote_ns = 0;  // puts to other hosts (issue and local completion)
 };
 
 class CpuExecutor {
@@ -74,6 +88,20 @@ class CpuExecutor {
   std::string wait_wired(double timeout_s);
   void stop_wireup();
   std::string link_transports(int rank);
+  // Testing the receiver's checks across hosts (tests/test_hosts.py): sends remote rank `rank`
+  // the malformed message `what` names ("outside", "oversized", "beyond", "abort-data",
+  // "two-puts": see executor.cpp); link_progress() progresses my link once; link_refused() is
+  // how many messages my link refused.
+  void debug_forge(int rank, const std::string& what);
+  void link_progress();
+  uint64_t link_refused() const;
+  // Phase timing (PhaseTimes): on or off; take_phase_times() returns the sums and clears them.
+  void set_phase_timing(bool on) { phase_timing_ = on; times_ = PhaseTimes{}; }
+  PhaseTimes take_phase_times() {
+    const PhaseTimes t = times_;
+    times_ = PhaseTimes{};
+    return t;
+  }
   bool remote(int rank) const { return !remote_.empty() && remote_[static_cast<size_t>(rank)]; }
   void attach(const std::vector<std::string>& names);
   void unlink_segment() { heap_.unlink(); }
@@ -133,8 +161,14 @@ class CpuExecutor {
   void wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig, const Site& site);
   // Polls `ready` (true: done) under the deadline, the abort cell and the peer's liveness;
   // `observed` names what was seen, for the timeout message.
-  template <typename Ready, typename Observed>
-  void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch);
+  // How a waiter gives its core away after the spin, given how long it has waited (NOTE
+  // [waiting]): sched_yield, then sleeps. A wait for another host blocks on the link's event
+  // instead once it has yielded a while (transport.h).
+  struct Yield {
+    void operator()(uint64_t waited_ns) const;
+  };
+  template <typename Ready, typename Observed, typename Idle = Yield>
+  void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle = Idle{});
   void cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   [[noreturn]] void fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,
                          uint64_t observed);
@@ -204,6 +238,8 @@ class CpuExecutor {
   CallPlan last_plan_{};
   ReduceFn last_fn_ = nullptr;
   uint64_t rng_ = 0;
+  bool phase_timing_ = false;
+  PhaseTimes times_{};
   std::atomic<bool> closing_{false};        // close() asks a call in flight on another thread to stop
   // The call and round in flight (protocol/desc.h: count, code, elements of the round, row
   // length of a fused call), carried by every flag I send and compared with every flag I

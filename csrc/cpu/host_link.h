@@ -18,9 +18,11 @@ namespace nvrar {
 // in front of a zone, so the description rides in the cell's own words, in the same message.
 //
 // NOTE [active messages]
-// The message is one UCX active message (ucp_am_send_nbx, eager): header {dst_off, bytes,
-// cell_off}, payload = the data, then the cell image. The receiver's handler, inside its own
-// progress call, copies the data, then the cell's tail, then stores the flag word with a release:
+// A put is UCX active messages (ucp_am_send_nbx, eager), one per piece of at most 63 KB (NOTE
+// [pieces], ucx.cpp): header {dst_off, bytes, piece_off, cell_off}, payload = the piece, then the
+// cell image; the receiver stores the cell once every piece arrived. The receiver's handler,
+// inside its own progress call, copies the piece; with the last one the cell's tail, then the
+// flag word with a release:
 // the order of a put, a fence and the signal put, without the fence's round trip. Why not RMA
 // (ucp_put_nbx into the registered segment, ucp_worker_fence, the flag put), as first built:
 //   * over tcp UCX emulates RMA with active messages anyway (the data lands inside the target's
@@ -37,7 +39,8 @@ namespace nvrar {
 // reports native RMA lanes) is not built yet.
 //
 // Progress is driven by the waiting rank: every wait of a round polls the worker while it spins
-// (a message lands only inside the receiver's progress calls). UCX's peer error handling is on
+// (a message lands only inside the receiver's progress calls), then sleeps on the worker's event
+// fd between polls (NOTE [blocking waits], ucx.cpp). UCX's peer error handling is on
 // (UCP_ERR_HANDLING_MODE_PEER), so a host that died or a link that broke fails the wait that
 // needs it, naming rank, peer, phase and step; a peer that is merely silent (stopped, link down
 // without a reset) meets the wait's deadline. LL packets (protocol/ll.h) never cross hosts:
@@ -68,6 +71,10 @@ class HostLink {
                           const void* cell) = 0;
   // Progresses the worker once; true when every put issued has completed locally.
   virtual bool progress() = 0;
+  // Gives the core away until the worker has something to progress (a message arrived, a send
+  // can go on) or timeout_ns passed: UCX's event fd where the transports offer one, else one
+  // sched_yield. The caller progresses and checks its condition again after it.
+  virtual void block(long timeout_ns) = 0;
   virtual bool peer_failed(int rank) const = 0;
   virtual std::string peer_error(int rank) const = 0;
   // The cell alone, best effort, for at most timeout_s (abort records); never throws.
@@ -77,6 +84,11 @@ class HostLink {
   virtual uint64_t refused() const = 0;
   // The transports and devices UCX chose for the endpoint to `rank` ("tcp/veth1,...").
   virtual std::string transports(int rank) = 0;
+  // Testing (tests/test_hosts.py): one message with exactly this header, piece_len zero bytes
+  // and a cell image whose flag word is `word`, as a faulty or hostile peer could send; waits
+  // up to 1 s for it to leave. False if the endpoint failed.
+  virtual bool forge(int rank, size_t dst_off, size_t bytes, size_t piece_off, size_t cell_off, size_t piece_len,
+                     uint64_t word) = 0;
 };
 
 }  // namespace nvrar

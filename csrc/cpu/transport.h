@@ -12,7 +12,10 @@
 // spin_until, same_call) and never re-implements them. Failures throw (ProtocolError).
 #pragma once
 
+#include <sched.h>
+
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -25,9 +28,31 @@
 
 namespace nvrar {
 
+// Adds the time of its scope to *acc when phase timing is on (PhaseTimes, executor.h).
+struct PhaseTimer {
+  uint64_t* acc;
+  std::chrono::steady_clock::time_point t0;
+  PhaseTimer(bool on, uint64_t* a) : acc(on ? a : nullptr) {
+    if (acc != nullptr) t0 = std::chrono::steady_clock::now();
+  }
+  ~PhaseTimer() {
+    if (acc != nullptr)
+      *acc += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+};
+
 // The CPU side of the Transport concept of protocol/round.h (see the file comment). A friend of
 // CpuExecutor: it reaches the executor's segment, call description and waits.
 struct CpuTransport {
+  // Longest a wait for another host blocks on the link's event between checks of its abort cell
+  // (which local peers write through shared memory, without an event), deadline and liveness.
+  static constexpr long kBlockNs = 200 * 1000;
+  // How long such a wait yields (progressing the link between yields) before it blocks: a small
+  // message's wait ends within it; waking a blocked thread costs 100-200 us on this VM.
+  static constexpr uint64_t kRemoteYieldNs = 300 * 1000;
   CpuExecutor* ex;
   ReduceFn fn;
   uint64_t epoch;
@@ -37,17 +62,30 @@ struct CpuTransport {
   bool leader() const { return true; }
   void sync() const {}
   void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.signal_ns);
     ex->signal(rank, cell, word, aux0, aux1);
   }
   bool wait(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, uint64_t* aux0, uint64_t* aux1) {
     const CpuExecutor::Site site{phase, step, peer};
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.wait_ns);
     if (ex->link_ != nullptr) {
       // Across hosts every wait drives the worker: a peer's puts land only inside my progress.
       const auto* c = reinterpret_cast<const Cell*>(my() + cell);
       const uint64_t target = flag_word(e, 0);
       HostLink* link = ex->link_.get();
-      ex->spin_until([&] { link->progress(); return load_acquire(&c->word) >= target || link->refused() != 0; },
-                     [&] { return flag_epoch(load_relaxed(&c->word)); }, site, e);
+      const auto ready = [&] { link->progress(); return load_acquire(&c->word) >= target || link->refused() != 0; };
+      const auto observed = [&] { return flag_epoch(load_relaxed(&c->word)); };
+      // A flag from another host comes with an event of the worker's fd; a local peer's comes
+      // through shared memory, without one: that wait yields (NOTE [waiting]).
+      if (ex->remote(peer))
+        ex->spin_until(ready, observed, site, e, [link](uint64_t waited_ns) {
+          if (waited_ns < kRemoteYieldNs)
+            sched_yield();
+          else
+            link->block(kBlockNs);
+        });
+      else
+        ex->spin_until(ready, observed, site, e);
       if (link->refused() != 0)
         ex->fail(ProtocolError::Kind::kViolation,
                  "protocol violation: a message from another host named a place outside the inter-node zones and "
@@ -59,9 +97,15 @@ struct CpuTransport {
     return true;
   }
   bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
-    if (ex->remote(rank)) return remote_put_signal(rank, dst_off, src, bytes, cell, word);
-    std::memcpy(base(rank) + dst_off, src, bytes);
-    ex->signal(rank, cell, word, 0, 0);
+    if (ex->remote(rank)) {
+      const PhaseTimer t(ex->phase_timing_, &ex->times_.remote_ns);
+      return remote_put_signal(rank, dst_off, src, bytes, cell, word);
+    }
+    {
+      const PhaseTimer t(ex->phase_timing_, &ex->times_.copy_ns);
+      std::memcpy(base(rank) + dst_off, src, bytes);
+    }
+    signal(rank, cell, word, 0, 0);
     return true;
   }
   // NOTE [put-with-signal across hosts]. base(rank) is the local image of the remote rank's
@@ -73,7 +117,9 @@ struct CpuTransport {
     if (!link->put_signal(rank, dst_off, src, bytes, cell, base(rank) + cell))
       ex->fail(ProtocolError::Kind::kTimeout, "cannot reach the peer's host: " + link->peer_error(rank), site, epoch,
                0);
-    if (!link->progress()) ex->spin_until([&] { return link->progress(); }, [] { return uint64_t{0}; }, site, epoch);
+    if (!link->progress())
+      // (yields, never blocks: room in a full socket need not come with an event of the fd)
+      ex->spin_until([&] { return link->progress(); }, [] { return uint64_t{0}; }, site, epoch);
     return true;
   }
   // LL packets go straight into the peer's LL zone, one 8-byte atomic store each. The call
@@ -106,13 +152,16 @@ struct CpuTransport {
     }
   }
   void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) const {
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.reduce_ns);
     fn(reinterpret_cast<void* const*>(dst), nd, reinterpret_cast<const void* const*>(src), ns, n, sc);
   }
   void copy(char* dst, const char* src, size_t bytes) const {
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.copy_ns);
     if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
   }
   bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
     const CpuExecutor::Site site{phase, 0, rank};
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.cma_ns);
     ex->check_remote_range(false, rank, addr, bytes, site, epoch);
     ex->cma_transfer(false, rank, dst, addr, bytes, site, epoch);
     return true;
@@ -120,6 +169,7 @@ struct CpuTransport {
   bool remote_write(int rank, const char* src, uint64_t addr, size_t bytes, Phase phase) {
     ex->jitter();
     const CpuExecutor::Site site{phase, 0, rank};
+    const PhaseTimer t(ex->phase_timing_, &ex->times_.cma_ns);
     ex->check_remote_range(true, rank, addr, bytes, site, epoch);
     ex->cma_transfer(true, rank, const_cast<char*>(src), addr, bytes, site, epoch);
     return true;

@@ -2,8 +2,11 @@
 #include "ucx.h"
 
 #include <dlfcn.h>
+#include <poll.h>
+#include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -12,6 +15,7 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "../common/error.h"
 
@@ -44,7 +48,7 @@ namespace {
   X(ucp_worker_create) X(ucp_worker_destroy) X(ucp_worker_get_address) X(ucp_worker_release_address)      \
   X(ucp_worker_progress) X(ucp_worker_set_am_recv_handler) X(ucp_am_send_nbx) X(ucp_am_data_release)       \
   X(ucp_ep_create) X(ucp_ep_close_nbx) X(ucp_ep_flush_nbx) X(ucp_request_check_status) X(ucp_request_free) \
-  X(ucp_ep_query) X(ucs_status_string)
+  X(ucp_ep_query) X(ucs_status_string) X(ucp_worker_get_efd) X(ucp_worker_arm)
 
 struct Api {
 #define NVRAR_UCX_FIELD(f) decltype(&::f) f = nullptr;
@@ -81,16 +85,29 @@ constexpr unsigned kAmId = 0x4e56;        // the active-message id of nvrar's me
 constexpr size_t kCellTail = 48;          // Cell (segment.h): aux0, aux1 and the call description after the word
 constexpr size_t kCellBytes = 8 + kCellTail;
 
-// The header of every message: where its payload lands in the receiver's segment. The payload is
-// the step's data (`bytes`), then the cell image (kCellBytes): word, aux words, call description.
+// NOTE [pieces]: a put goes as messages of at most kPieceBytes of data each, every one a single
+// fragment of the transport (tcp: segments of kSegBytes, set unless the user set UCX_TCP_*_SEG_SIZE),
+// so UCX hands the handler a pointer into its receive buffer and the data is copied once, into
+// the zone; a message of several fragments would first be reassembled into a buffer of UCX's
+// (one more pass over the data). Every piece carries the cell image; the receiver counts the
+// bytes that arrived for the cell and stores the cell (tail, then flag word) with the last one,
+// whatever order the pieces arrive in. At most one put is in flight per cell (the partner sends
+// to a cell again only two rounds later, after it received my data of the round between).
+constexpr size_t kSegBytes = 64 << 10;
+constexpr size_t kPieceBytes = kSegBytes - 1024;
+
+// The header of every message: where its piece lands in the receiver's segment. The payload is
+// the piece (data bytes [piece_off, piece_off + piece length) of the put), then the cell image
+// (kCellBytes): word, aux words, call description.
 struct MsgHeader {
-  uint64_t dst_off;
-  uint64_t bytes;
+  uint64_t dst_off;    // the zone the put fills
+  uint64_t bytes;      // the put's data, all pieces
+  uint64_t piece_off;  // this piece's place in it
   uint64_t cell_off;
   int32_t sender;
   uint32_t magic;
 };
-constexpr uint32_t kMsgMagic = 0x4e565231u;  // "NVR1"
+constexpr uint32_t kMsgMagic = 0x4e565232u;  // "NVR2"
 
 struct Peer {
   ucp_ep_h ep = nullptr;
@@ -130,11 +147,21 @@ class UcxLink final : public HostLink {
     check(a_.ucp_config_read(nullptr, nullptr, &cfg), "reading its configuration");
     // The device that reaches the rendezvous host, unless the user chose (UCX_NET_DEVICES).
     if (!dev.empty() && getenv("UCX_NET_DEVICES") == nullptr) a_.ucp_config_modify(cfg, "NET_DEVICES", dev.c_str());
+    // tcp segments that hold a whole piece (NOTE [pieces]).
+    const std::string seg = std::to_string(kSegBytes);
+    if (getenv("UCX_TCP_TX_SEG_SIZE") == nullptr) a_.ucp_config_modify(cfg, "TCP_TX_SEG_SIZE", seg.c_str());
+    if (getenv("UCX_TCP_RX_SEG_SIZE") == nullptr) a_.ucp_config_modify(cfg, "TCP_RX_SEG_SIZE", seg.c_str());
     ucp_params_t p;
     std::memset(&p, 0, sizeof(p));
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
-    p.features = UCP_FEATURE_AM;
-    const ucs_status_t st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
+    // Wake-up events for blocking waits (NOTE [blocking waits]); where UCX cannot offer them, the
+    // link works without (block() then yields).
+    p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    ucs_status_t st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
+    if (st != UCS_OK) {
+      p.features = UCP_FEATURE_AM;
+      st = a_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, cfg, &ctx_);
+    }
     a_.ucp_config_release(cfg);
     check(st, "initializing");
     ucp_worker_params_t wp;
@@ -142,6 +169,8 @@ class UcxLink final : public HostLink {
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the caller's thread, or the wire-up thread alone
     check(a_.ucp_worker_create(ctx_, &wp, &worker_), "creating a worker");
+    // The worker's event fd (NOTE [blocking waits]); without one, block() yields.
+    if (a_.ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
     ucp_am_handler_param_t hp;
     std::memset(&hp, 0, sizeof(hp));
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -260,6 +289,25 @@ class UcxLink final : public HostLink {
     return reap();
   }
 
+  // NOTE [blocking waits]: a waiter that spun in vain progresses the worker until it has nothing
+  // left, arms it and sleeps in poll() on its event fd; UCX answers "busy" instead of arming
+  // while it still has events to progress, and
+  // the fd wakes on a message or on room for a pending send. The timeout bounds how late the
+  // caller sees what arrives without an event (its abort cell, written by local peers).
+  void block(long timeout_ns) override {
+    if (efd_ < 0) {
+      sched_yield();
+      return;
+    }
+    // UCX arms only a worker progressed until it has nothing left: an event it already consumed
+    // from a socket would wake no one. Anything done here returns at once (the caller checks).
+    if (a_.ucp_worker_progress(worker_) != 0) return;
+    if (a_.ucp_worker_arm(worker_) != UCS_OK) return;  // UCS_ERR_BUSY: progress first
+    struct pollfd pfd = {efd_, POLLIN, 0};
+    const struct timespec ts = {0, timeout_ns};
+    ppoll(&pfd, 1, &ts, nullptr);
+  }
+
   bool peer_failed(int rank) const override { return peers_[static_cast<size_t>(rank)].status.load() != 0; }
 
   std::string peer_error(int rank) const override {
@@ -275,6 +323,17 @@ class UcxLink final : public HostLink {
   }
 
   uint64_t refused() const override { return dropped_.load(std::memory_order_relaxed); }
+
+  bool forge(int rank, size_t dst_off, size_t bytes, size_t piece_off, size_t cell_off, size_t piece_len,
+             uint64_t word) override {
+    forged_.push_back(std::vector<char>(piece_len + kCellBytes, 0));  // kept until the link closes
+    std::vector<char>& buf = forged_.back();
+    std::memcpy(buf.data() + piece_len, &word, 8);
+    const bool ok = send_piece(rank, MsgHeader{dst_off, bytes, piece_off, cell_off, rank_, kMsgMagic}, buf.data(),
+                               piece_len, buf.data() + piece_len);
+    drain_for(1.0);
+    return ok;
+  }
 
   std::string transports(int rank) override {
     Peer& p = peers_[static_cast<size_t>(rank)];
@@ -313,22 +372,34 @@ class UcxLink final : public HostLink {
       return UCS_OK;
     }
     MsgHeader h;
-    if (header_length != sizeof(h)) {
+    if (header_length != sizeof(h) || length < kCellBytes) {
       self->dropped_.fetch_add(1);
       return UCS_OK;
     }
     std::memcpy(&h, header, sizeof(h));
-    if (h.magic != kMsgMagic || length != h.bytes + kCellBytes || !self->accept_.fn(self->accept_.ctx, h.dst_off,
-                                                                                 h.bytes, h.cell_off)) {
+    const size_t piece = length - kCellBytes;
+    if (h.magic != kMsgMagic || h.piece_off > h.bytes || piece > h.bytes - h.piece_off ||
+        (piece == 0) != (h.bytes == 0) || !self->accept_.fn(self->accept_.ctx, h.dst_off, h.bytes, h.cell_off)) {
       self->dropped_.fetch_add(1);
       return UCS_OK;
     }
     const char* in = static_cast<const char*>(data);
     char* seg = self->seg_;
-    if (h.bytes != 0) std::memcpy(seg + h.dst_off, in, h.bytes);
-    std::memcpy(seg + h.cell_off + 8, in + h.bytes + 8, kCellTail);
     uint64_t word;
-    std::memcpy(&word, in + h.bytes, 8);
+    std::memcpy(&word, in + piece, 8);
+    if (h.bytes != 0) {
+      std::memcpy(seg + h.dst_off + h.piece_off, in, piece);
+      Arrival& a = self->arrivals_[h.cell_off];
+      if (a.got == 0) a.word = word;
+      if (a.word != word || piece > h.bytes - a.got) {  // pieces of two puts into one cell
+        self->dropped_.fetch_add(1);
+        return UCS_OK;
+      }
+      a.got += piece;
+      if (a.got < h.bytes) return UCS_OK;
+      a.got = 0;
+    }
+    std::memcpy(seg + h.cell_off + 8, in + piece + 8, kCellTail);
     __atomic_store_n(reinterpret_cast<uint64_t*>(seg + h.cell_off), word, __ATOMIC_RELEASE);
     return UCS_OK;
   }
@@ -338,16 +409,27 @@ class UcxLink final : public HostLink {
                 a_.ucs_status_string != nullptr ? a_.ucs_status_string(st) : "?");
   }
 
-  // One message: `bytes` of data for my partner's dst_off, then the cell image for its cell_off.
+  // The put as pieces (NOTE [pieces]): data for my partner's dst_off, each piece followed by the
+  // cell image for its cell_off.
   bool send(int rank, size_t dst_off, const void* src, size_t bytes, size_t cell_off, const void* cell) {
+    size_t off = 0;
+    do {
+      const size_t piece = std::min(kPieceBytes, bytes - off);
+      if (!send_piece(rank, MsgHeader{dst_off, bytes, off, cell_off, rank_, kMsgMagic},
+                      static_cast<const char*>(src) + off, piece, cell))
+        return false;
+      off += piece;
+    } while (off < bytes);
+    return true;
+  }
+
+  bool send_piece(int rank, const MsgHeader& h, const char* src, size_t piece, const void* cell) {
     Peer& p = peers_[static_cast<size_t>(rank)];
     if (p.ep == nullptr || p.status.load(std::memory_order_relaxed) != 0) return false;
-    MsgHeader h{dst_off, bytes, cell_off, rank_, kMsgMagic};
-    pending_.push_back(Pending{nullptr, {{const_cast<void*>(src), bytes}, {const_cast<void*>(cell), kCellBytes}}});
+    pending_.push_back(Pending{nullptr, {{const_cast<char*>(src), piece}, {const_cast<void*>(cell), kCellBytes}}});
     Pending& q = pending_.back();
-    ucp_dt_iov_t* iov = bytes != 0 ? q.iov : q.iov + 1;
-    const ucs_status_ptr_t sp =
-        a_.ucp_am_send_nbx(p.ep, kAmId, &h, sizeof(h), iov, bytes != 0 ? 2 : 1, &send_prm_);
+    ucp_dt_iov_t* iov = piece != 0 ? q.iov : q.iov + 1;
+    const ucs_status_ptr_t sp = a_.ucp_am_send_nbx(p.ep, kAmId, &h, sizeof(h), iov, piece != 0 ? 2 : 1, &send_prm_);
     if (sp == nullptr) {
       pending_.pop_back();
       return true;
@@ -430,9 +512,16 @@ class UcxLink final : public HostLink {
   pid_t creator_;
   ucp_context_h ctx_ = nullptr;
   ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
   std::list<Pending> pending_;
   ucp_request_param_t send_prm_;
   std::atomic<uint64_t> dropped_{0};  // messages refused by on_message
+  struct Arrival {
+    uint64_t word = 0;  // the flag word of the put being received
+    uint64_t got = 0;   // its data bytes arrived so far
+  };
+  std::unordered_map<size_t, Arrival> arrivals_;  // per cell offset (NOTE [pieces])
+  std::list<std::vector<char>> forged_;           // payloads of forge() (testing)
   std::thread thread_;
   std::atomic<bool> stop_{false};
 };

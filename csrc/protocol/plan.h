@@ -302,7 +302,9 @@ struct InterSchedule {
 // geometry comes from the full chunk size, see chunk_slice), so the parity argument holds per
 // slice; between calls, a kernel boundary orders all slices (a rank's next call starts after all
 // its blocks finished, and any of its blocks waits for every local peer's ready flag).
-// Cell indices: 0 abort; then ready[2][G][B], final[2][G][B], inter[2][S][B].
+// Cell indices: 0 abort; then ready[2][G][B], final[2][G][B], inter[2][S][B], gather[2][S-2][B]
+// (the all-gather steps of halving-doubling, NOTE [halving-doubling] in round.h: cells only,
+// their data lands in the zone of the last exchange).
 struct SegmentLayout {
   int G;
   int S;                   // zones per parity (InterSchedule::num_slots)
@@ -347,7 +349,9 @@ struct SegmentLayout {
     L.cell_stride = cell_stride;
     L.header_bytes = kPage;
     L.cells_off = L.header_bytes;
-    size_t ncells = 1 + (4 * static_cast<size_t>(G) + 2 * static_cast<size_t>(L.S)) * static_cast<size_t>(B);
+    size_t ncells =
+        1 + (4 * static_cast<size_t>(G) + 2 * static_cast<size_t>(L.S) + 2 * static_cast<size_t>(L.S - 2)) *
+                static_cast<size_t>(B);
     L.staging_off = align_up(L.cells_off + ncells * cell_stride, kPage);
     L.staging_bytes = align_up(max_bytes, kPage);
     // A shard of one slice of a max_bytes chunk: ceil(ceil(max_bytes / B) / G) rounded up to 16
@@ -379,6 +383,10 @@ struct SegmentLayout {
   }
   NVRAR_HD size_t inter_cell(int parity, int slot, int b = 0) const {
     return cell(1 + (4 * static_cast<size_t>(G) + static_cast<size_t>(parity) * S + slot) * B + b);
+  }
+  NVRAR_HD size_t gather_cell(int parity, int k, int b = 0) const {
+    return cell(1 + (4 * static_cast<size_t>(G) + 2 * static_cast<size_t>(S) +
+                     static_cast<size_t>(parity) * (S - 2) + k) * B + b);
   }
   NVRAR_HD size_t staging(int parity) const { return staging_off + static_cast<size_t>(parity) * staging_bytes; }
   NVRAR_HD size_t result(int parity, int b = 0) const {

@@ -54,6 +54,7 @@ struct RoundConfig {
   size_t cma_min_bytes;      // smallest shard worth a cross-memory transfer
   size_t cma_piece_bytes;    // cross-memory transfers go piece by piece
   size_t ll_max_bytes;       // inter-node steps on shards up to this size use LL packets (0: never)
+  size_t hd_min_bytes = 0;   // inter-node shards from this size use halving-doubling (0: never)
 };
 
 // Whether the inter-node steps of an n-byte shard use LL packets (small enough for the selector
@@ -69,6 +70,31 @@ NVRAR_HD bool use_ll(const RoundConfig& cfg, size_t bytes) {
   return cfg.L.ll_slice_bytes > 0 && bytes <= cfg.ll_max_bytes && ll_wire_bytes(bytes) <= cfg.L.ll_slice_bytes;
 }
 
+// Whether the inter-node steps of an n-byte shard use halving-doubling (NOTE [halving-doubling]):
+// large shards, at least 4 nodes in the power-of-two part (with 2 it sends no fewer bytes).
+NVRAR_HD bool use_hd(const RoundConfig& cfg, size_t bytes, const InterSchedule& sched) {
+  return cfg.hd_min_bytes > 0 && bytes >= cfg.hd_min_bytes && sched.K >= 2 && !use_ll(cfg, bytes);
+}
+
+// Halving-doubling: where exchange step k cuts the range [r0, r1) (64-byte cuts for float32),
+// and the range of `node` before exchange step k (the lower half goes to the node whose bit j is
+// 0 at each earlier step j).
+NVRAR_HD size_t hd_mid(size_t r0, size_t r1) {
+  const size_t half = (r1 - r0) / 2;
+  return r0 + (half >= 32 ? half / 16 * 16 : half);
+}
+NVRAR_HD void hd_range(size_t n, int node, int k, size_t* r0, size_t* r1) {
+  *r0 = 0;
+  *r1 = n;
+  for (int j = 0; j < k; ++j) {
+    const size_t mid = hd_mid(*r0, *r1);
+    if (((node >> j) & 1) == 0)
+      *r1 = mid;
+    else
+      *r0 = mid;
+  }
+}
+
 // One slice of one chunk: an independent protocol instance with its own flags and slot parts.
 struct Slice {
   const char* in;    // this slice of the input (private memory, or my pool when in_pool)
@@ -80,6 +106,96 @@ struct Slice {
   bool in_pool;
   bool out_pool;
 };
+
+// NOTE [halving-doubling]
+// Recursive doubling sends the whole shard at each of its K = log2 N' exchange steps; for large
+// shards the bandwidth-optimal schedule with the same pairs is recursive halving, then recursive
+// doubling of the pieces (Rabenseifner): exchange step k (partner node ^ 2^k, the same order as
+// recursive doubling) splits my current range in two halves, sends the half my partner keeps
+// and combines the half I keep (the lower half goes to the lower node of the pair); after K steps
+// my piece is final; the all-gather steps k = K-1 .. 0 then exchange pieces with the same
+// partners until every rank has the whole shard. Bytes sent per rank: 2 (N'-1)/N' of the shard
+// instead of K times it, and each element is reduced once per level instead of every rank
+// reducing everything.
+// Bitwise the same result as recursive doubling: at step k my partner's range equals mine (our
+// node numbers differ only in bit k, so we kept the same halves before), so every element is
+// combined from the same two operands, in the same order (mine_first: the lower node's value is
+// the left operand) and scaled at the same last exchange. So whichever schedule serves a shard
+// is invisible in its bits (tests/test_determinism.py compares them).
+// Where the data lands: exchange step k puts into the partner's zone of that step, at the half's
+// own offset; the last exchange's zone F then holds my final piece, and the all-gather steps put
+// each rank's range into the partner's F at its offset, with the flag in a gather cell of its
+// own (one message per cell and round). F of round e is written by all-gather partners only in
+// this round and, of round e + 2, only after they finished round e + 1, which needed my data of
+// e + 1, sent after I copied F out: the parity argument of NOTE [epoch protocol]. Folding in and
+// out (N not a power of two) moves the whole shard, as in recursive doubling.
+template <typename TP>
+NVRAR_HD bool inter_node_hd(TP& tp, const RoundConfig& cfg, size_t n, size_t es, uint64_t e, uint32_t sig,
+                            Scale sc, int b, size_t* final_off) {
+  const int p = static_cast<int>(e & 1);
+  const uint64_t word = flag_word(e, sig);
+  const Layout& w = cfg.where;
+  const SegmentLayout& L = cfg.L;
+  const InterSchedule sched = InterSchedule::make(w.N, w.node);
+  const Scale none = make_scale(RedOp::kSum, 1);
+  char* my = tp.my();
+  size_t acc = L.result(p, b);
+  int step = 0;
+  if (sched.has_fold_partner()) {  // the folded node's whole shard, combined first (mine is the lower node)
+    const int peer = w.rank_of(w.node + sched.Np, w.local);
+    const size_t zone = L.zone(p, sched.fold_in_slot(), b);
+    uint64_t a0, a1;
+    if (!tp.wait(L.inter_cell(p, sched.fold_in_slot(), b), e, sig, Phase::kInterNode, step, peer, &a0, &a1))
+      return false;
+    const char* ops[2] = {my + acc, my + zone};
+    char* dsts[1] = {my + zone};
+    tp.reduce(dsts, 1, ops, 2, n, none);
+    acc = zone;
+    ++step;
+  }
+  size_t r0 = 0, r1 = n;  // my range
+  for (int k = 0; k < sched.K; ++k, ++step) {
+    const size_t mid = hd_mid(r0, r1);
+    const bool lower = ((w.node >> k) & 1) == 0;
+    const size_t keep0 = lower ? r0 : mid, keep1 = lower ? mid : r1;
+    const size_t give0 = lower ? mid : r0, give1 = lower ? r1 : mid;
+    const int peer = w.rank_of(w.node ^ (1 << k), w.local);
+    const int slot = sched.exchange_slot(k);
+    const size_t zone = L.zone(p, slot, b);
+    tp.jitter();
+    if (!tp.put_signal(peer, zone + give0 * es, my + acc + give0 * es, (give1 - give0) * es,
+                       L.inter_cell(p, slot, b), word))
+      return false;
+    uint64_t a0, a1;
+    if (!tp.wait(L.inter_cell(p, slot, b), e, sig, Phase::kInterNode, step, peer, &a0, &a1)) return false;
+    const char* mine = my + acc + keep0 * es;
+    char* dst = my + zone + keep0 * es;
+    const char* ops[2] = {lower ? mine : dst, lower ? dst : mine};
+    char* dsts[1] = {dst};
+    tp.reduce(dsts, 1, ops, 2, keep1 - keep0, k == sched.K - 1 ? sc : none);
+    acc = zone;
+    r0 = keep0;
+    r1 = keep1;
+  }
+  for (int k = sched.K - 1; k >= 0; --k, ++step) {  // all-gather into F (= acc), same partners backwards
+    const int peer = w.rank_of(w.node ^ (1 << k), w.local);
+    tp.jitter();
+    if (!tp.put_signal(peer, acc + r0 * es, my + acc + r0 * es, (r1 - r0) * es, L.gather_cell(p, k, b), word))
+      return false;
+    uint64_t a0, a1;
+    if (!tp.wait(L.gather_cell(p, k, b), e, sig, Phase::kInterNode, step, peer, &a0, &a1)) return false;
+    hd_range(n, w.node, k, &r0, &r1);
+  }
+  if (sched.has_fold_partner()) {
+    const int peer = w.rank_of(w.node + sched.Np, w.local);
+    tp.jitter();
+    if (!tp.put_signal(peer, L.zone(p, sched.fold_out_slot(), b), my + acc, n * es,
+                       L.inter_cell(p, sched.fold_out_slot(), b), word))
+      return false;
+  }
+  *final_off = acc;
+  return true;
+}
 
 // Inter-node recursive doubling of n elements among the ranks with my local index, starting
 // from the accumulator in my result slot. Put-with-signal: the partner's data lands in a zone and
@@ -96,6 +212,9 @@ NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t 
   const Scale none = make_scale(RedOp::kSum, 1);
   const int last_exchange = sched.exchange_slot(sched.K - 1);
   const size_t bytes = n * es;
+#if !defined(__CUDA_ARCH__)  // (the GPU executor never enables it: hd_min_bytes 0)
+  if (!sched.folded_out() && use_hd(cfg, bytes, sched)) return inter_node_hd(tp, cfg, n, es, e, sig, sc, b, final_off);
+#endif
   const bool ll = use_ll(cfg, bytes);
   char* my = tp.my();
   size_t acc = L.result(p, b);  // where my accumulator lives

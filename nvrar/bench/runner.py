@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import __version__
-from ..bootstrap import SingleBootstrap, mpi_launched
+from ..bootstrap import SingleBootstrap, mpi_launched, preload_ucx_across_hosts
 from ..communicator import Communicator
 from . import report
 from .fused import FUSED_ALGO, NvrarFusedBackend
@@ -173,8 +173,17 @@ def setup_torch_dist(device: str, want: bool) -> Optional[str]:
             with socket.socket() as s:
                 s.bind(("", 0))
                 port = s.getsockname()[1]
-            addr = f"tcp://{socket.gethostbyname(socket.gethostname()) if world > 1 else '127.0.0.1'}:{port}"
+            # rank 0's address for the others: MASTER_ADDR where the user set it (mpirun -x
+            # MASTER_ADDR=...), else its host name's; a failure travels to every rank (none waits)
+            host = os.environ.get("MASTER_ADDR", "").strip() or (socket.gethostname() if world > 1 else "127.0.0.1")
+            try:
+                addr = f"tcp://{socket.gethostbyname(host)}:{port}"
+            except OSError as exc:
+                addr = (f"error: rank 0's host name {host!r} does not resolve ({exc}); set MASTER_ADDR to rank 0's "
+                        "address (mpirun -x MASTER_ADDR=...)")
         init = comm.bcast(addr, root=0)
+        if init.startswith("error: "):
+            return f"torch.distributed: {init[7:]}"
     else:
         return "no launcher environment for torch.distributed"
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
@@ -306,6 +315,8 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID",
                     os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))))
         torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
+    if mpi_launched():  # before setup_torch_dist imports mpi4py
+        preload_ucx_across_hosts()
     want_torch = gpu or (("gloo" in names or "deepspeed" in names) and not gpu)
     torch_skip = setup_torch_dist(args.device, want_torch)
     if gpu and torch_skip:
@@ -377,6 +388,10 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         "command": " ".join(["nvrar-bench"] + [a for a in args.argv if a != "--launched-by" and a != args.launched_by]),
         "skipped": skipped,
     }
+    links = getattr(comm._ex, "link_transports", None) if not gpu else None
+    if links is not None and torch_skip is None:  # across hosts: the UCX transports of every rank's links
+        mine = sorted({links(r) for r in range(world)} - {""})
+        meta["inter_host_transports"] = sorted({t for ts in ctl.gather(mine) for t in ts})
     ctl.barrier()
     meta["memcpy_gbps"] = memcpy_gbps() if rank == 0 else 0.0  # the host's; GPU runs compare peers only
     meta["call_overhead_us"] = call_overhead_us() if rank == 0 else 0.0
