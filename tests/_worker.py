@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -279,9 +280,16 @@ def task_sigint(args: dict) -> dict:
     """Ranks in `waiters` call all_reduce while the others stay away (sleep `absent_s`, then call).
     A waiter writes its pid to args["pidfile"] + rank once it is about to wait; the test sends
     SIGINT to rank `victim` and reports when; every rank reports what it raised and when."""
+    # A process inherits its launcher's SIGINT disposition and signal mask: Python installs its
+    # KeyboardInterrupt handler only where SIGINT was not ignored, and never unblocks it. The test
+    # is about nvrar's handling, not the launcher's state, so restore both (and report them).
+    inherited = {"handler": str(signal.getsignal(signal.SIGINT)),
+                 "blocked": signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     comm = nvrar.Communicator(ranks_per_node=args["G"], timeout=args["timeout"])
     rank = comm.rank
-    out: dict = {}
+    out: dict = {"inherited": inherited}
     x = np.ones(args.get("count", 100000), np.float32)
     if rank in args["waiters"]:
         with open(f"{args['pidfile']}{rank}.tmp", "w") as f:
