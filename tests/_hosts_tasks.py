@@ -65,6 +65,7 @@ def task_hosts_matrix(args: dict) -> dict:
                         y.view(torch.int16).numpy().tobytes()).hexdigest()
     report["cases"] = cases
     report["transports"] = {str(r): comm._ex.link_transports(r) for r in range(comm.world_size)}
+    report["landings"] = list(comm._ex.link_landings())  # (applied as they arrived, landed in a zone)
     report["host"] = os.uname().nodename
     comm.close()
     return report
