@@ -71,6 +71,29 @@ def task_hosts_matrix(args: dict) -> dict:
     return report
 
 
+def task_hosts_mismatch(args: dict) -> dict:
+    """Every rank calls all_reduce on its own count (args["counts"][rank]), chosen by the test so
+    that the 16-bit call signatures collide: the flag words match, the call descriptions do not.
+    The output sits in front of a canary; no peer may write past it, and no rank may return."""
+    comm = nvrar.Communicator(ranks_per_node=args["G"], max_bytes=args["max_bytes"], timeout=args["timeout"])
+    n, canary_n = args["counts"][comm.rank], 64 << 10
+    buf = np.full(n + canary_n, -7.0, dtype=np.float32)
+    x, canary = buf[:n], buf[n:]
+    x[:] = comm.rank + 1.0
+    out: Dict[str, Any] = {"error": None}
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x, "sum", algorithm="two-shot")
+    except Exception as exc:
+        out["error"] = _error(exc)
+    out["elapsed"] = time.monotonic() - t0
+    time.sleep(0.5)  # a peer's stray writes, if any, land before the canary is read
+    out["canary_intact"] = bool(np.all(canary == -7.0))
+    out["landings"] = list(comm._ex.link_landings())
+    comm.close()
+    return out
+
+
 def task_hosts_fault(args: dict) -> dict:
     """Back-to-back calls (every result checked) until one raises. 'stop' victim: stops itself
     (SIGSTOP) at call `at`; the other faults come from outside (the test kills a host or takes a
