@@ -121,8 +121,10 @@ LL_MAX_BYTES: Dict[str, int] = {"cpu": 0, "cuda": 32 << 10}
 HD_MIN_BYTES: Dict[str, int] = {"cpu": 256 << 10, "cuda": 0}
 # The CPU default where the nodes are hosts (the inter-node steps cross tcp, not shared memory):
 # every byte sent costs kernel copies on both sides, so halving-doubling pays from smaller shards
-# (4 hosts x 1 rank here: 1.2-1.4x faster than recursive doubling at 128 KB; docs/results.md).
-HD_MIN_BYTES_HOSTS = 32 << 10
+# (4 hosts x 1 rank here, against MPI_Allreduce in the same run: from 0.64-0.85x its speed to
+# 1.07-1.19x at 128 KB, better at 64 KB, worse at 32 KB, where its two extra steps cost more than
+# the bytes they save; docs/results.md).
+HD_MIN_BYTES_HOSTS = 64 << 10
 
 JITTER_US = 0.0
 JITTER_SEED = 0
