@@ -67,9 +67,12 @@ def one_rank() -> List[Dict[str, Any]]:
 
 def two_ranks() -> List[Dict[str, Any]]:
     import torch
-    from mpi4py import MPI
 
     import nvrar
+    from nvrar.bootstrap import preload_ucx_across_hosts
+
+    preload_ucx_across_hosts()  # (ranks on several hosts: before mpi4py loads Open MPI's own UCX)
+    from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     rows = []

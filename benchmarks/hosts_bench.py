@@ -65,6 +65,11 @@ def bench_args(args: argparse.Namespace, backends: str, json_path: str) -> List[
             "--warmup", str(args.warmup), "--timeout", "120", "--json", json_path]
 
 
+def passed_env() -> Tuple[str, ...]:
+    """nvrar's and UCX's settings and PYTHONPATH of this environment, for the ranks (mpirun passes only what -x names)."""
+    return tuple(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("NVRAR_", "UCX_")) or k == "PYTHONPATH")
+
+
 def mca_params(args: argparse.Namespace, world: int) -> Tuple[Tuple[str, str], ...]:
     """The extra MCA parameters: --mca's, and mpi_yield_when_idle 1 where the ranks outnumber this
     machine's cores (Open MPI sets it itself on a node it knows oversubscribed; here every host
@@ -81,8 +86,9 @@ def run_mpirun(mpirun: str, n: int, G: int, args: argparse.Namespace, workdir: s
     with _netns.Hosts(n, workdir) as hosts:
         launch = _netns_mpi.MpiHosts(hosts, workdir)
         launch.start()
-        cmd = launch.command(mpirun, G, rank_program() + bench_args(args, ",".join(BACKENDS), out),
-                             mca=mca_params(args, n * G), env=("GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1"))
+        cmd = launch.command(mpirun, G, rank_program() + bench_args(args, ",".join(args.backends), out),
+                             mca=mca_params(args, n * G),
+                             env=("GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1", *passed_env()))
         with open(log, "w") as f:
             f.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
             f.flush()
@@ -105,7 +111,7 @@ def run_mpirun(mpirun: str, n: int, G: int, args: argparse.Namespace, workdir: s
 
 def run_env(n: int, G: int, args: argparse.Namespace, workdir: str) -> Tuple[dict, str]:
     out = os.path.join(workdir, f"bench-{n}x{G}.json")
-    argv = rank_program() + bench_args(args, "nvrar,gloo", out)
+    argv = rank_program() + bench_args(args, ",".join(b for b in args.backends if b != "mpi"), out)
     with _netns.Hosts(n, workdir) as hosts:
         for h in range(n):
             ranks = []
@@ -194,6 +200,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra Open MPI MCA parameter for the mpirun launch (repeatable)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline of one layout's run, seconds (default 1800)")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help="comma-separated, of nvrar,gloo,mpi (default all three; mpi needs the mpirun launcher)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
     layouts = []
@@ -205,6 +213,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         if n < 2 or g < 1:
             p.error(f"--layouts: {layout!r}: need at least 2 hosts and 1 rank per host")
         layouts.append((n, g))
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not args.backends or any(b not in BACKENDS for b in args.backends):
+        p.error(f"--backends: choose from {','.join(BACKENDS)}")
     if any("=" not in kv for kv in args.mca):
         p.error("--mca takes KEY=VALUE")
     if args.iters < 1 or args.warmup < 0 or args.min_bytes <= 0 or args.max_bytes < args.min_bytes:

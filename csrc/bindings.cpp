@@ -147,6 +147,7 @@ PYBIND11_MODULE(_C, m) {
              return d;
            })
       .def("link_refused", &CpuExecutor::link_refused)
+      .def("link_landings", &CpuExecutor::link_landings)
       .def("is_remote", &CpuExecutor::remote, py::arg("rank"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
       .def("probe_cma", &CpuExecutor::probe_cma)

@@ -199,7 +199,7 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
                 jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
                 cma_piece_bytes=st.cma_piece_bytes,
                 # LL packets never cross hosts (NOTE [put-with-signal across hosts], csrc/cpu/host_link.h)
-                ll_max_bytes=0 if multi else st.ll_max_bytes, secret=secret, hd_min_bytes=st.hd_min_bytes)
+                ll_max_bytes=0 if multi else st.ll_max_bytes, secret=secret, hd_min_bytes=st.hd_min(multi))
             created["segment"] = ex.segment_name
             if multi:
                 dev = route_device(os.environ.get("MASTER_ADDR"))

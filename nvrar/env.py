@@ -78,7 +78,8 @@ VARIABLES: Dict[str, EnvVar] = {
         ),
         EnvVar(
             "NVRAR_HD_MIN_BYTES",
-            _defaults.per_device_text(_defaults.HD_MIN_BYTES),
+            _defaults.per_device_text(_defaults.HD_MIN_BYTES)
+            + f"; {_defaults.size_text(_defaults.HD_MIN_BYTES_HOSTS)} (CPU, ranks on several hosts)",
             "CPU executor: inter-node shards from this size go by halving-doubling (Rabenseifner: "
             "bitwise the same result as recursive doubling, fewer bytes sent with 4 or more nodes) "
             "instead of recursive doubling; 0 is never (the GPU's default). Must be equal on every rank.",
@@ -222,7 +223,7 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
         algorithm=algorithm,
         oneshot_max_bytes=get_bytes("NVRAR_ONESHOT_MAX_BYTES"),
         ll_max_bytes=_defaults.LL_MAX_BYTES[device] if ll is None else ll,
-        hd_min_bytes=_defaults.HD_MIN_BYTES[device] if hd is None else hd,
+        hd_min_bytes=hd,
         jitter_us=(get_float("NVRAR_JITTER_US") if cpu else None) or _defaults.JITTER_US,
         jitter_seed=(get_int("NVRAR_JITTER_SEED") if cpu else None) or _defaults.JITTER_SEED,
         cma=_defaults.CMA if cma is None else cma != 0,

@@ -20,7 +20,7 @@ from . import _C
 __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
-           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "AGREED"]
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -119,6 +119,12 @@ LL_MAX_BYTES: Dict[str, int] = {"cpu": 0, "cuda": 32 << 10}
 # per rank instead of log2 N' times it; used with 4 or more nodes). CPU only; the GPU executor
 # keeps recursive doubling (0).
 HD_MIN_BYTES: Dict[str, int] = {"cpu": 256 << 10, "cuda": 0}
+# The CPU default where the nodes are hosts (the inter-node steps cross tcp, not shared memory):
+# every byte sent costs kernel copies on both sides, so halving-doubling pays from smaller shards
+# (4 hosts x 1 rank here, against MPI_Allreduce in the same run: from 0.64-0.85x its speed to
+# 1.07-1.19x at 128 KB, better at 64 KB, worse at 32 KB, where its two extra steps cost more than
+# the bytes they save; docs/results.md).
+HD_MIN_BYTES_HOSTS = 64 << 10
 
 JITTER_US = 0.0
 JITTER_SEED = 0
@@ -173,7 +179,7 @@ class Settings:
     algorithm: str
     oneshot_max_bytes: Optional[int]  # NVRAR_ONESHOT_MAX_BYTES; None: by layout (oneshot_max)
     ll_max_bytes: int
-    hd_min_bytes: int  # NVRAR_HD_MIN_BYTES (0: never)
+    hd_min_bytes: Optional[int]  # NVRAR_HD_MIN_BYTES (0: never); None: by device and hosts (hd_min)
     jitter_us: float
     jitter_seed: int
     cma: bool
@@ -186,6 +192,12 @@ class Settings:
     def agreed(self) -> Dict[str, object]:
         """The values that must be equal on every rank (exchanged as JSON at construction)."""
         return {key: getattr(self, key) for key in AGREED}
+
+    def hd_min(self, across_hosts: bool) -> int:
+        """Smallest inter-node shard (bytes) that goes by halving-doubling (0: never)."""
+        if self.hd_min_bytes is not None:
+            return self.hd_min_bytes
+        return HD_MIN_BYTES_HOSTS if self.device == "cpu" and across_hosts else HD_MIN_BYTES[self.device]
 
     def oneshot_max(self, ranks_per_node: int) -> int:
         """Largest message (bytes) that the auto policy sends through the one-shot variant."""

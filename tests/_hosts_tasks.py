@@ -65,9 +65,33 @@ def task_hosts_matrix(args: dict) -> dict:
                         y.view(torch.int16).numpy().tobytes()).hexdigest()
     report["cases"] = cases
     report["transports"] = {str(r): comm._ex.link_transports(r) for r in range(comm.world_size)}
+    report["landings"] = list(comm._ex.link_landings())  # (applied as they arrived, landed in a zone)
     report["host"] = os.uname().nodename
     comm.close()
     return report
+
+
+def task_hosts_mismatch(args: dict) -> dict:
+    """Every rank calls all_reduce on its own count (args["counts"][rank]), chosen by the test so
+    that the 16-bit call signatures collide: the flag words match, the call descriptions do not.
+    The output sits in front of a canary; no peer may write past it, and no rank may return."""
+    comm = nvrar.Communicator(ranks_per_node=args["G"], max_bytes=args["max_bytes"], timeout=args["timeout"])
+    n, canary_n = args["counts"][comm.rank], 64 << 10
+    buf = np.full(n + canary_n, -7.0, dtype=np.float32)
+    x, canary = buf[:n], buf[n:]
+    x[:] = comm.rank + 1.0
+    out: Dict[str, Any] = {"error": None}
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x, "sum", algorithm="two-shot")
+    except Exception as exc:
+        out["error"] = _error(exc)
+    out["elapsed"] = time.monotonic() - t0
+    time.sleep(0.5)  # a peer's stray writes, if any, land before the canary is read
+    out["canary_intact"] = bool(np.all(canary == -7.0))
+    out["landings"] = list(comm._ex.link_landings())
+    comm.close()
+    return out
 
 
 def task_hosts_fault(args: dict) -> dict:

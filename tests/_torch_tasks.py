@@ -279,6 +279,12 @@ def other_collectives(group, reference) -> dict:
     """Every other collective on `group` gives what it gives on the gloo group `reference`."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     out = {}
+    # Every tensor handed to a collective stays referenced here until the end: a temporary whose
+    # last Python reference goes while gloo's worker thread still holds it is freed by that
+    # thread, which then needs the GIL while it holds gloo's queue lock; the next collective of
+    # the main thread waits for that lock (a torch deadlock, seen here with all_to_all_single's
+    # input: ranks timed out in the following all_gather_object after 120 s).
+    keep: list = []
     for name, pg in (("mine", group), ("ref", reference)):
         r = {}
         t = torch.arange(4.0) + 10 * rank
@@ -289,14 +295,18 @@ def other_collectives(group, reference) -> dict:
         dist.all_gather_into_tensor(big, t, group=pg)
         r["all_gather_into_tensor"] = big
         rs = torch.empty(2)
-        dist.reduce_scatter_tensor(rs, torch.arange(2.0 * world) * (rank + 1), group=pg)
+        rs_in = torch.arange(2.0 * world) * (rank + 1)
+        keep.append(rs_in)
+        dist.reduce_scatter_tensor(rs, rs_in, group=pg)
         r["reduce_scatter_tensor"] = rs
         b = torch.full((3,), float(rank))
         dist.broadcast(b, src=dist.get_global_rank(pg, world - 1), group=pg)
         r["broadcast"] = b
         dist.barrier(group=pg)
         a2a = torch.empty(world)
-        dist.all_to_all_single(a2a, torch.arange(float(world)) + 100 * rank, group=pg)
+        a2a_in = torch.arange(float(world)) + 100 * rank
+        keep.append(a2a_in)
+        dist.all_to_all_single(a2a, a2a_in, group=pg)
         r["all_to_all_single"] = a2a
         red = torch.full((2,), float(rank + 1))
         dist.reduce(red, dst=dist.get_global_rank(pg, 0), group=pg)
@@ -307,14 +317,18 @@ def other_collectives(group, reference) -> dict:
         # send/recv in a ring
         nxt, prv = dist.get_global_rank(pg, (rank + 1) % world), dist.get_global_rank(pg, (rank - 1) % world)
         got = torch.empty(2)
+        mine = torch.full((2,), float(rank))
+        keep.append(mine)
         if rank % 2 == 0:
-            dist.send(torch.full((2,), float(rank)), nxt, group=pg)
+            dist.send(mine, nxt, group=pg)
             dist.recv(got, prv, group=pg)
         else:
             dist.recv(got, prv, group=pg)
-            dist.send(torch.full((2,), float(rank)), nxt, group=pg)
+            dist.send(mine, nxt, group=pg)
         r["send_recv"] = got
         out[name] = r
+    dist.barrier(group=reference)  # (every collective above has completed on every rank)
+    del keep
     return {k: bool(torch.equal(out["mine"][k], out["ref"][k])) for k in out["ref"]}
 
 

@@ -10,6 +10,18 @@
 #define NVRAR_DEVICE_CODE 0
 #endif
 
+// The element kernels (protocol/slice.h): always inlined, on the host too, so that they compile
+// for the instruction set of their multiversioned caller (cpu/reduce_kernels.cpp); a call left
+// out of line would run the baseline x86-64 code whatever the CPU offers (it did: 2-3x slower
+// than numpy's add on cached data).
+#if defined(__CUDACC__)
+#define NVRAR_KERNEL NVRAR_HD
+#elif defined(__GNUC__)
+#define NVRAR_KERNEL inline __attribute__((always_inline))
+#else
+#define NVRAR_KERNEL inline
+#endif
+
 // The device paths also compile for the host emulation of the device (csrc/emu, -DNVRAR_EMULATE).
 #if defined(__CUDA_ARCH__) || defined(NVRAR_EMULATE)
 #define NVRAR_ON_DEVICE 1

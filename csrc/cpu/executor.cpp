@@ -113,8 +113,10 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   adv_bytes_.resize(G);
   ws_ = Workspace{srcs_.data(), piece_srcs_.data(), dsts_.data(), piece_dsts_.data(), peer_out_.data(),
                   src_remote_.data(), nullptr};
+  // start_from_input: a put's source may be any memory of mine (a memcpy into shared memory, or
+  // a UCX send that completes before the put returns).
   round_cfg_ = RoundConfig{where_, layout_, false, cfg_.cma_min_bytes, cfg_.cma_piece_bytes, cfg_.ll_max_bytes,
-                           cfg_.hd_min_bytes};
+                           cfg_.hd_min_bytes, true};
   limits_ = CallLimits{cfg_.world, where_.N, cfg_.max_bytes, cfg_.oneshot_max_bytes, layout_.oneshot_chunk_bytes(),
                        1, 0, reinterpret_cast<uintptr_t>(pool_base()), layout_.pool_bytes};
 }
@@ -221,6 +223,10 @@ void CpuExecutor::link_progress() {
   if (link_ != nullptr) link_->progress();
 }
 uint64_t CpuExecutor::link_refused() const { return link_ != nullptr ? link_->refused() : 0; }
+
+std::pair<uint64_t, uint64_t> CpuExecutor::link_landings() const {
+  return link_ != nullptr ? link_->landings() : std::pair<uint64_t, uint64_t>{0, 0};
+}
 std::string CpuExecutor::link_transports(int rank) {
   NVRAR_CHECK(rank >= 0 && rank < cfg_.world, "link_transports: no rank ", rank);
   return link_ != nullptr && remote(rank) ? link_->transports(rank) : std::string();
@@ -358,11 +364,23 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   }
 }
 
+namespace {
+// However a round ends, no put from another host may land outside the zones after it (NOTE
+// [landings], protocol/round.h: an expectation names the caller's buffers).
+struct ForgetLandings {
+  HostLink* link;
+  ~ForgetLandings() {
+    if (link != nullptr) link->forget_expected();
+  }
+};
+}  // namespace
+
 void CpuExecutor::round(const char* in, char* out, size_t n, size_t es, bool in_pool, bool out_pool, Algorithm v,
                         uint32_t sig, ReduceFn fn, Scale sc) {
   const uint64_t e = ++epoch_;
   desc_.n = n;
   CpuTransport tp{this, fn, e};
+  const ForgetLandings forget{link_.get()};
   Slice s{in, out, n, es, 0, 0, in_pool, out_pool};
   if (v == Algorithm::kOneShot)
     one_shot_round(tp, round_cfg_, ws_, s, e, sig, sc);
@@ -375,6 +393,7 @@ void CpuExecutor::fused_round(const FusedSlice& s, Algorithm v, uint32_t sig, Re
   const uint64_t e = ++epoch_;
   desc_.n = s.rows * s.h;
   CpuTransport tp{this, fn, e};
+  const ForgetLandings forget{link_.get()};
   if (v == Algorithm::kOneShot) {
     one_shot_round(tp, round_cfg_, ws_, Slice{s.in, scratch, s.rows * s.h, s.es, 0, 0, false, false}, e, sig,
                    make_scale(RedOp::kSum, 1));

@@ -91,10 +91,12 @@ class CpuExecutor {
   // Testing the receiver's checks across hosts (tests/test_hosts.py): sends remote rank `rank`
   // the malformed message `what` names ("outside", "oversized", "beyond", "abort-data",
   // "two-puts": see executor.cpp); link_progress() progresses my link once; link_refused() is
-  // how many messages my link refused.
+  // how many messages my link refused; link_landings() how many data pieces it applied as they
+  // arrived and how many landed in a zone (NOTE [landings], protocol/round.h).
   void debug_forge(int rank, const std::string& what);
   void link_progress();
   uint64_t link_refused() const;
+  std::pair<uint64_t, uint64_t> link_landings() const;
   // Phase timing (PhaseTimes): on or off; take_phase_times() returns the sums and clears them.
   void set_phase_timing(bool on) { phase_timing_ = on; times_ = PhaseTimes{}; }
   PhaseTimes take_phase_times() {
@@ -245,6 +247,7 @@ class CpuExecutor {
   // length of a fused call), carried by every flag I send and compared with every flag I
   // receive (NOTE [call description], segment.h).
   CallDesc desc_{};
+  std::vector<std::pair<size_t, size_t>> in_zone_;  // CpuTransport::wait_land's scratch (NOTE [landings])
   const Interrupt* intr_ = nullptr;         // the caller's interrupt hook, during a call
   std::vector<uint64_t> adv_in_;            // per local rank: private input address it advertised (cma), or 0
   std::vector<uint64_t> adv_out_;           // per local rank: private output address it advertised (cma), or 0

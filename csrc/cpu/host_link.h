@@ -5,7 +5,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "reduce_kernels.h"
 
 namespace nvrar {
 
@@ -21,8 +24,9 @@ namespace nvrar {
 // A put is UCX active messages (ucp_am_send_nbx, eager), one per piece of at most 63 KB (NOTE
 // [pieces], ucx.cpp): header {dst_off, bytes, piece_off, cell_off}, payload = the piece, then the
 // cell image; the receiver stores the cell once every piece arrived. The receiver's handler,
-// inside its own progress call, copies the piece; with the last one the cell's tail, then the
-// flag word with a release:
+// inside its own progress call, copies the piece into the zone (or, where the waiting round
+// expects the put, combines or delivers it straight from UCX's receive buffer: NOTE [landings]
+// below); with the last one the cell's tail, then the flag word with a release:
 // the order of a put, a fence and the signal put, without the fence's round trip. Why not RMA
 // (ucp_put_nbx into the registered segment, ucp_worker_fence, the flag put), as first built:
 //   * over tcp UCX emulates RMA with active messages anyway (the data lands inside the target's
@@ -54,6 +58,24 @@ struct RemoteWriteCheck {
   void* ctx;
 };
 
+// NOTE [landings] (protocol/round.h) across hosts: the put of `word` into my zone at zone_off
+// (`bytes` in all) flagged in a cell is applied piece by piece as it arrives, from UCX's receive
+// buffer: dst = data, or dst = fn(mine, data) in the Landing's order and scale. A piece is applied
+// only if its put matches the expectation exactly (word, zone, size, the call description in its
+// cell image, element alignment); any other lands in the zone as always, and the waiting rank
+// checks it there (a mismatched call is raised, never combined).
+struct LinkLanding {
+  uint64_t word;
+  size_t zone_off, bytes;
+  char* dst;
+  const char* mine;  // nullptr: a copy
+  bool mine_first;
+  size_t es;
+  ReduceFn fn;
+  Scale sc;
+  const void* desc;  // the call description my cells must carry (32 bytes, protocol/desc.h)
+};
+
 // The link between hosts: messages into the segments of the ranks on other hosts, their local
 // completion, and the liveness UCX reports. Owned by the executor when ranks span hosts.
 class HostLink {
@@ -75,6 +97,15 @@ class HostLink {
   // can go on) or timeout_ns passed: UCX's event fd where the transports offer one, else one
   // sched_yield. The caller progresses and checks its condition again after it.
   virtual void block(long timeout_ns) = 0;
+  // NOTE [landings]: expects the put flagged in cell_off (until settle); settle ends it and
+  // appends the pieces of that put that landed in the zone instead (they came first), as
+  // (offset in the put, bytes); forget_expected ends every expectation (a call that failed: no
+  // put may land outside the zones any more).
+  virtual void expect(size_t cell_off, const LinkLanding& lg) = 0;
+  virtual void settle(size_t cell_off, std::vector<std::pair<size_t, size_t>>* in_zone) = 0;
+  virtual void forget_expected() noexcept = 0;
+  // Data pieces received so far: applied as they arrived, and landed in a zone (testing).
+  virtual std::pair<uint64_t, uint64_t> landings() const = 0;
   virtual bool peer_failed(int rank) const = 0;
   virtual std::string peer_error(int rank) const = 0;
   // The cell alone, best effort, for at most timeout_s (abort records); never throws.

@@ -1,5 +1,8 @@
 #include "reduce_kernels.h"
 
+#include <cstring>
+#include <type_traits>
+
 #include "../common/error.h"
 #include "../protocol/slice.h"
 
@@ -20,7 +23,15 @@ namespace {
 constexpr int kHostVec = 64;
 
 template <typename T, typename Op>
-void reduce_impl(void* const* dst, int ndst, const void* const* src, int nsrc, size_t n, Scale sc) {
+NVRAR_KERNEL void reduce_impl(void* const* dst, int ndst, const void* const* src, int nsrc, size_t n, Scale sc) {
+  // One source, no scale, a type stored as it is accumulated (fp32, int32): the element
+  // arithmetic is the identity, so the bits are a copy's (libc's memcpy is 2-3x faster than the
+  // tile loop on cached data). fp16/bf16 go through the loop: its conversion quiets NaNs.
+  if (std::is_same<acc_t<T>, T>::value && nsrc == 1 && !sc.active()) {
+    for (int d = 0; d < ndst; ++d)
+      if (dst[d] != src[0]) std::memcpy(dst[d], src[0], n * sizeof(T));
+    return;
+  }
   reduce_slice<kHostVec>(SoloGroup{}, reinterpret_cast<T* const*>(dst), ndst, reinterpret_cast<const T* const*>(src),
                          nsrc, n, Op{}, sc);
 }

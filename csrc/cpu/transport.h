@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "../protocol/ll.h"
+#include "../protocol/round.h"
 #include "../protocol/phase.h"
 #include "executor.h"
 #include "host_link.h"
@@ -94,6 +95,26 @@ struct CpuTransport {
     const auto aux = ex->wait(cell, e, sig, site);
     *aux0 = aux.first;
     *aux1 = aux.second;
+    return true;
+  }
+  // NOTE [landings] (protocol/round.h): a put from another host is applied as it arrives
+  // (HostLink::expect); one through shared memory is applied from the zone after the wait.
+  void expect(size_t cell, uint64_t word, int peer, const Landing& lg) {
+    if (ex->link_ != nullptr && ex->remote(peer))
+      ex->link_->expect(cell, LinkLanding{word, lg.zone_off, lg.bytes, lg.dst, lg.mine, lg.mine_first, lg.es, fn, lg.sc,
+                                          &ex->desc_});
+  }
+  bool wait_land(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, const Landing& lg) {
+    uint64_t a0, a1;
+    wait(cell, e, sig, phase, step, peer, &a0, &a1);
+    if (ex->link_ != nullptr && ex->remote(peer)) {
+      auto& in_zone = ex->in_zone_;
+      in_zone.clear();
+      ex->link_->settle(cell, &in_zone);
+      for (const auto& pc : in_zone) apply_landing(*this, lg, my() + lg.zone_off + pc.first, pc.first, pc.second);
+    } else {
+      apply_landing(*this, lg, my() + lg.zone_off, 0, lg.bytes);
+    }
     return true;
   }
   bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {

@@ -84,6 +84,7 @@ using clock_type = std::chrono::steady_clock;
 constexpr unsigned kAmId = 0x4e56;        // the active-message id of nvrar's messages
 constexpr size_t kCellTail = 48;          // Cell (segment.h): aux0, aux1 and the call description after the word
 constexpr size_t kCellBytes = 8 + kCellTail;
+constexpr size_t kDescBytes = 32;         // the call description, the last bytes of the cell image
 
 // NOTE [pieces]: a put goes as messages of at most kPieceBytes of data each, every one a single
 // fragment of the transport (tcp: segments of kSegBytes, set unless the user set UCX_TCP_*_SEG_SIZE),
@@ -308,6 +309,23 @@ class UcxLink final : public HostLink {
     ppoll(&pfd, 1, &ts, nullptr);
   }
 
+  void expect(size_t cell_off, const LinkLanding& lg) override { expected_.emplace_back(cell_off, lg); }
+
+  void settle(size_t cell_off, std::vector<std::pair<size_t, size_t>>* in_zone) override {
+    for (auto it = expected_.begin(); it != expected_.end(); ++it) {
+      if (it->first != cell_off) continue;
+      const auto a = arrivals_.find(cell_off);
+      if (a != arrivals_.end() && a->second.word == it->second.word)
+        in_zone->insert(in_zone->end(), a->second.in_zone.begin(), a->second.in_zone.end());
+      expected_.erase(it);
+      return;
+    }
+  }
+
+  void forget_expected() noexcept override { expected_.clear(); }
+
+  std::pair<uint64_t, uint64_t> landings() const override { return {on_arrival_, in_zone_}; }
+
   bool peer_failed(int rank) const override { return peers_[static_cast<size_t>(rank)].status.load() != 0; }
 
   std::string peer_error(int rank) const override {
@@ -388,12 +406,26 @@ class UcxLink final : public HostLink {
     uint64_t word;
     std::memcpy(&word, in + piece, 8);
     if (h.bytes != 0) {
-      std::memcpy(seg + h.dst_off + h.piece_off, in, piece);
       Arrival& a = self->arrivals_[h.cell_off];
-      if (a.got == 0) a.word = word;
+      if (a.got == 0) {
+        a.word = word;
+        a.in_zone.clear();
+      }
       if (a.word != word || piece > h.bytes - a.got) {  // pieces of two puts into one cell
         self->dropped_.fetch_add(1);
         return UCS_OK;
+      }
+      const LinkLanding* lg = self->expected(h, piece, word, in + piece);
+      ++(lg == nullptr ? self->in_zone_ : self->on_arrival_);
+      if (lg == nullptr) {
+        std::memcpy(seg + h.dst_off + h.piece_off, in, piece);
+        a.in_zone.emplace_back(h.piece_off, piece);
+      } else if (lg->mine == nullptr) {
+        std::memcpy(lg->dst + h.piece_off, in, piece);
+      } else {
+        const void* ops[2] = {lg->mine_first ? lg->mine + h.piece_off : in, lg->mine_first ? in : lg->mine + h.piece_off};
+        void* dsts[1] = {lg->dst + h.piece_off};
+        lg->fn(dsts, 1, ops, 2, piece / lg->es, lg->sc);
       }
       a.got += piece;
       if (a.got < h.bytes) return UCS_OK;
@@ -402,6 +434,19 @@ class UcxLink final : public HostLink {
     std::memcpy(seg + h.cell_off + 8, in + piece + 8, kCellTail);
     __atomic_store_n(reinterpret_cast<uint64_t*>(seg + h.cell_off), word, __ATOMIC_RELEASE);
     return UCS_OK;
+  }
+
+  // The expectation this piece (header h, its cell image at `image`) meets exactly, or nullptr
+  // (NOTE [landings], host_link.h).
+  const LinkLanding* expected(const MsgHeader& h, size_t piece, uint64_t word, const char* image) const {
+    for (const auto& x : expected_) {
+      const LinkLanding& lg = x.second;
+      if (x.first != h.cell_off || lg.word != word || lg.zone_off != h.dst_off || lg.bytes != h.bytes) continue;
+      if (h.piece_off % lg.es != 0 || piece % lg.es != 0) return nullptr;
+      if (std::memcmp(image + kCellBytes - kDescBytes, lg.desc, kDescBytes) != 0) return nullptr;
+      return &lg;
+    }
+    return nullptr;
   }
 
   void check(ucs_status_t st, const std::string& what) const {
@@ -519,7 +564,10 @@ class UcxLink final : public HostLink {
   struct Arrival {
     uint64_t word = 0;  // the flag word of the put being received
     uint64_t got = 0;   // its data bytes arrived so far
+    std::vector<std::pair<size_t, size_t>> in_zone;  // its pieces that landed in the zone (NOTE [landings])
   };
+  std::vector<std::pair<size_t, LinkLanding>> expected_;
+  uint64_t on_arrival_ = 0, in_zone_ = 0;  // pieces applied as they arrived / landed in a zone  // per cell offset (NOTE [landings])
   std::unordered_map<size_t, Arrival> arrivals_;  // per cell offset (NOTE [pieces])
   std::list<std::vector<char>> forged_;           // payloads of forge() (testing)
   std::thread thread_;

@@ -249,6 +249,17 @@ struct GpuTransport {
     return ok;
   }
 
+  // NOTE [landings] (protocol/round.h): NVSHMEM puts land in the zone; the Landing is applied
+  // from there once the flag arrived.
+  __device__ void expect(size_t, uint64_t, int, const Landing&) {}
+  __device__ bool wait_land(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer,
+                            const Landing& lg) {
+    uint64_t a0, a1;
+    if (!wait(cell, e, sig, phase, step, peer, &a0, &a1)) return false;
+    apply_landing(*this, lg, kp.my + lg.zone_off, 0, lg.bytes);
+    return true;
+  }
+
   __device__ bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
     dirty = true;
     __syncthreads();

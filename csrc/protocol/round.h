@@ -11,6 +11,10 @@
 //   bool wait(cell, epoch, sig, Phase, step, peer, &aux0, &aux1)   deadline, abort and signature checks;
 //                                          false: the round failed (GPU); the CPU transport throws
 //   bool put_signal(rank, dst_off, src, bytes, cell, word)  inter-node put, then its flag
+//   void expect(cell, word, peer, Landing)  (before my own put) the put `peer` makes into my zone,
+//                                          flagged in `cell`, is wanted as the Landing says
+//   bool wait_land(cell, epoch, sig, Phase, step, peer, Landing)   wait() for that put, then its
+//                                          data is at the Landing's dst (NOTE [landings])
 //   bool put_ll(rank, dst_off, out_off, src, bytes, flag)  inter-node LL packets (protocol/ll.h) into
 //                                          the peer's LL zone at dst_off (packed at my out_off first)
 //   bool wait_ll(off, bytes, epoch, sig, step, peer)    until every LL packet at my `off` arrived
@@ -55,7 +59,40 @@ struct RoundConfig {
   size_t cma_piece_bytes;    // cross-memory transfers go piece by piece
   size_t ll_max_bytes;       // inter-node steps on shards up to this size use LL packets (0: never)
   size_t hd_min_bytes = 0;   // inter-node shards from this size use halving-doubling (0: never)
+  // One rank per node: the inter-node steps start from the input itself (NOTE [start from the
+  // input]); an executor whose puts may read any local memory of the caller's sets it (CPU).
+  bool start_from_input = false;
 };
+
+// NOTE [landings]: what a rank does with a put it receives in halving-doubling: combine it with
+// its own operand (the reduce-scatter steps), or have it somewhere else than the zone (the
+// all-gather steps of one rank per node deliver into the output). A transport whose puts land in
+// the zone (shared memory, NVSHMEM) waits, then applies the Landing from the zone: the same
+// reduce or copy the round would make. The CPU link applies it to each piece as it arrives, from
+// UCX's receive buffer, which saves a pass over the data (the zone is then not written); pieces
+// that arrived before the Landing was expected landed in the zone and are applied from there
+// (csrc/cpu/transport.h). Same operands in the same order: the same bits either way.
+struct Landing {
+  size_t zone_off;   // where the put's data lands in my segment (its first byte)
+  size_t bytes;
+  char* dst;         // where its result goes (may be the zone itself)
+  const char* mine;  // nullptr: dst = data; else dst = op(mine, data), or op(data, mine)
+  bool mine_first;   // mine is the left operand
+  size_t es;
+  Scale sc;
+};
+
+// Applies bytes [off, off + bytes) of a Landing whose data is at `data` (those bytes of the put).
+template <typename TP>
+NVRAR_HD void apply_landing(TP& tp, const Landing& lg, const char* data, size_t off, size_t bytes) {
+  if (lg.mine == nullptr) {
+    if (lg.dst + off != data) tp.copy(lg.dst + off, data, bytes);
+    return;
+  }
+  const char* ops[2] = {lg.mine_first ? lg.mine + off : data, lg.mine_first ? data : lg.mine + off};
+  char* dsts[1] = {lg.dst + off};
+  tp.reduce(dsts, 1, ops, 2, bytes / lg.es, lg.sc);
+}
 
 // Whether the inter-node steps of an n-byte shard use LL packets (small enough for the selector
 // and for the segment's LL zones).
@@ -125,13 +162,16 @@ struct Slice {
 // Where the data lands: exchange step k puts into the partner's zone of that step, at the half's
 // own offset; the last exchange's zone F then holds my final piece, and the all-gather steps put
 // each rank's range into the partner's F at its offset, with the flag in a gather cell of its
-// own (one message per cell and round). F of round e is written by all-gather partners only in
+// own (one message per cell and round). With `out` (one rank per node, NOTE [start from the
+// input]) my result is assembled in the output instead: the last exchange combines into it, the
+// all-gather steps send from it and deliver what they receive into it (NOTE [landings]); the
+// puts still target the partner's F. F of round e is written by all-gather partners only in
 // this round and, of round e + 2, only after they finished round e + 1, which needed my data of
 // e + 1, sent after I copied F out: the parity argument of NOTE [epoch protocol]. Folding in and
 // out (N not a power of two) moves the whole shard, as in recursive doubling.
 template <typename TP>
 NVRAR_HD bool inter_node_hd(TP& tp, const RoundConfig& cfg, size_t n, size_t es, uint64_t e, uint32_t sig,
-                            Scale sc, int b, size_t* final_off) {
+                            Scale sc, int b, const char* start, char* out, size_t* final_off) {
   const int p = static_cast<int>(e & 1);
   const uint64_t word = flag_word(e, sig);
   const Layout& w = cfg.where;
@@ -139,7 +179,7 @@ NVRAR_HD bool inter_node_hd(TP& tp, const RoundConfig& cfg, size_t n, size_t es,
   const InterSchedule sched = InterSchedule::make(w.N, w.node);
   const Scale none = make_scale(RedOp::kSum, 1);
   char* my = tp.my();
-  size_t acc = L.result(p, b);
+  const char* acc = start;  // my accumulator (the input, or a slot of my segment), then a zone
   int step = 0;
   if (sched.has_fold_partner()) {  // the folded node's whole shard, combined first (mine is the lower node)
     const int peer = w.rank_of(w.node + sched.Np, w.local);
@@ -147,12 +187,15 @@ NVRAR_HD bool inter_node_hd(TP& tp, const RoundConfig& cfg, size_t n, size_t es,
     uint64_t a0, a1;
     if (!tp.wait(L.inter_cell(p, sched.fold_in_slot(), b), e, sig, Phase::kInterNode, step, peer, &a0, &a1))
       return false;
-    const char* ops[2] = {my + acc, my + zone};
+    const char* ops[2] = {acc, my + zone};
     char* dsts[1] = {my + zone};
     tp.reduce(dsts, 1, ops, 2, n, none);
-    acc = zone;
+    acc = my + zone;
     ++step;
   }
+  // Where the result is assembled: F, the last exchange's zone, or the output itself (`out`).
+  const size_t F = L.zone(p, sched.exchange_slot(sched.K - 1), b);
+  char* res = out != nullptr ? out : my + F;
   size_t r0 = 0, r1 = n;  // my range
   for (int k = 0; k < sched.K; ++k, ++step) {
     const size_t mid = hd_mid(r0, r1);
@@ -162,48 +205,63 @@ NVRAR_HD bool inter_node_hd(TP& tp, const RoundConfig& cfg, size_t n, size_t es,
     const int peer = w.rank_of(w.node ^ (1 << k), w.local);
     const int slot = sched.exchange_slot(k);
     const size_t zone = L.zone(p, slot, b);
+    const size_t cell = L.inter_cell(p, slot, b);
+    const bool last = k == sched.K - 1;
+    // The partner's half of my range lands at keep0 of this step's zone, combined with mine.
+    const Landing lg{zone + keep0 * es, (keep1 - keep0) * es, (last ? res : my + zone) + keep0 * es, acc + keep0 * es,
+                     lower, es, last ? sc : none};
+    tp.expect(cell, word, peer, lg);
     tp.jitter();
-    if (!tp.put_signal(peer, zone + give0 * es, my + acc + give0 * es, (give1 - give0) * es,
-                       L.inter_cell(p, slot, b), word))
-      return false;
-    uint64_t a0, a1;
-    if (!tp.wait(L.inter_cell(p, slot, b), e, sig, Phase::kInterNode, step, peer, &a0, &a1)) return false;
-    const char* mine = my + acc + keep0 * es;
-    char* dst = my + zone + keep0 * es;
-    const char* ops[2] = {lower ? mine : dst, lower ? dst : mine};
-    char* dsts[1] = {dst};
-    tp.reduce(dsts, 1, ops, 2, keep1 - keep0, k == sched.K - 1 ? sc : none);
-    acc = zone;
+    if (!tp.put_signal(peer, zone + give0 * es, acc + give0 * es, (give1 - give0) * es, cell, word)) return false;
+    if (!tp.wait_land(cell, e, sig, Phase::kInterNode, step, peer, lg)) return false;
+    acc = my + zone;
     r0 = keep0;
     r1 = keep1;
   }
-  for (int k = sched.K - 1; k >= 0; --k, ++step) {  // all-gather into F (= acc), same partners backwards
+  for (int k = sched.K - 1; k >= 0; --k, ++step) {  // all-gather into res, same partners backwards
     const int peer = w.rank_of(w.node ^ (1 << k), w.local);
+    const size_t cell = L.gather_cell(p, k, b);
+    size_t n0 = 0, n1 = 0;  // my range after this step: mine and my partner's
+    hd_range(n, w.node, k, &n0, &n1);
+    const size_t p0 = n0 == r0 ? r1 : n0, p1 = n0 == r0 ? n1 : r0;  // my partner's
+    const Landing lg{F + p0 * es, (p1 - p0) * es, res + p0 * es, nullptr, false, es, none};
+    tp.expect(cell, word, peer, lg);
     tp.jitter();
-    if (!tp.put_signal(peer, acc + r0 * es, my + acc + r0 * es, (r1 - r0) * es, L.gather_cell(p, k, b), word))
-      return false;
-    uint64_t a0, a1;
-    if (!tp.wait(L.gather_cell(p, k, b), e, sig, Phase::kInterNode, step, peer, &a0, &a1)) return false;
-    hd_range(n, w.node, k, &r0, &r1);
+    if (!tp.put_signal(peer, F + r0 * es, res + r0 * es, (r1 - r0) * es, cell, word)) return false;
+    if (!tp.wait_land(cell, e, sig, Phase::kInterNode, step, peer, lg)) return false;
+    r0 = n0;
+    r1 = n1;
   }
   if (sched.has_fold_partner()) {
     const int peer = w.rank_of(w.node + sched.Np, w.local);
     tp.jitter();
-    if (!tp.put_signal(peer, L.zone(p, sched.fold_out_slot(), b), my + acc, n * es,
+    if (!tp.put_signal(peer, L.zone(p, sched.fold_out_slot(), b), res, n * es,
                        L.inter_cell(p, sched.fold_out_slot(), b), word))
       return false;
   }
-  *final_off = acc;
+  *final_off = F;  // (with `out`, the result is there, not in F)
   return true;
 }
 
 // Inter-node recursive doubling of n elements among the ranks with my local index, starting
-// from the accumulator in my result slot. Put-with-signal: the partner's data lands in a zone and
+// from the accumulator at `start` (my result slot, or the input itself: NOTE [start from the
+// input]; nullptr: the result slot). Put-with-signal: the partner's data lands in a zone and
 // is combined there in place. LL: the packets land in an LL zone and their payload is unpacked
-// into the zone. On success *final_off is where my final result lives.
+// into the zone. On success *final_off is where my final result lives in my segment (every
+// schedule receives at least once); or, where the caller passes `out`, the result is delivered
+// there instead (one rank per node: no local peer reads it from my segment) and *final_off is
+// not meaningful.
+//
+// NOTE [start from the input]: with one rank per node nothing reduces inside the node, and the
+// result slot would only hold a copy of the input; so the first put reads the input itself and
+// the first combine takes it as my operand (cfg.start_from_input). The input is read, never
+// written, and the output is written only after the last step, when every put of mine has
+// completed (a put returns once its source may be reused), so an in-place call is safe. The
+// operands, their order and the schedule are unchanged: the bits are the same.
 template <typename TP>
 NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t es, uint64_t e, uint32_t sig,
-                               Scale sc, int b, size_t* final_off) {
+                               Scale sc, int b, size_t* final_off, const char* start = nullptr,
+                               char* out = nullptr) {
   const int p = static_cast<int>(e & 1);
   const uint64_t word = flag_word(e, sig);
   const Layout& w = cfg.where;
@@ -212,21 +270,23 @@ NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t 
   const Scale none = make_scale(RedOp::kSum, 1);
   const int last_exchange = sched.exchange_slot(sched.K - 1);
   const size_t bytes = n * es;
+  char* my = tp.my();
+  if (start == nullptr) start = my + L.result(p, b);
 #if !defined(__CUDA_ARCH__)  // (the GPU executor never enables it: hd_min_bytes 0)
-  if (!sched.folded_out() && use_hd(cfg, bytes, sched)) return inter_node_hd(tp, cfg, n, es, e, sig, sc, b, final_off);
+  if (!sched.folded_out() && use_hd(cfg, bytes, sched))
+    return inter_node_hd(tp, cfg, n, es, e, sig, sc, b, start, out, final_off);
 #endif
   const bool ll = use_ll(cfg, bytes);
-  char* my = tp.my();
-  size_t acc = L.result(p, b);  // where my accumulator lives
+  const char* acc = start;  // where my accumulator lives
   for (int i = 0; i < sched.num_steps(); ++i) {
     const InterStep st = sched.step(i);
     const int peer = w.rank_of(st.partner, w.local);
     const size_t zone = L.zone(p, st.slot, b);
     if (st.send) {
       tp.jitter();
-      const bool sent = ll ? tp.put_ll(peer, L.llzone(p, st.slot, b), L.llout(p, st.slot, b), my + acc, bytes,
+      const bool sent = ll ? tp.put_ll(peer, L.llzone(p, st.slot, b), L.llout(p, st.slot, b), acc, bytes,
                                        ll_flag(e, sig))
-                           : tp.put_signal(peer, zone, my + acc, bytes, L.inter_cell(p, st.slot, b), word);
+                           : tp.put_signal(peer, zone, acc, bytes, L.inter_cell(p, st.slot, b), word);
       if (!sent) return false;
     }
     if (st.recv) {
@@ -238,17 +298,23 @@ NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t 
         uint64_t a0, a1;
         if (!tp.wait(L.inter_cell(p, st.slot, b), e, sig, Phase::kInterNode, i, peer, &a0, &a1)) return false;
       }
+      // The last exchange's combine goes straight into `out` where the caller gave one.
+      char* to = out != nullptr && st.combine && st.slot == last_exchange ? out : my + data;
       if (st.combine) {
-        const char* mine = my + acc;
-        char* dst = my + data;
-        const char* ops[2] = {st.mine_first ? mine : dst, st.mine_first ? dst : mine};
-        char* dsts[1] = {dst};
+        const char* mine = acc;
+        const char* theirs = my + data;
+        const char* ops[2] = {st.mine_first ? mine : theirs, st.mine_first ? theirs : mine};
+        char* dsts[1] = {to};
         tp.reduce(dsts, 1, ops, 2, n, st.slot == last_exchange ? sc : none);
       }
-      acc = data;
+      acc = to;
     }
   }
-  *final_off = acc;
+  if (out == nullptr) {
+    *final_off = static_cast<size_t>(acc - my);
+  } else if (acc != out) {
+    tp.copy(out, acc, bytes);  // (a folded-out node: its result came from its partner)
+  }
   return true;
 }
 
@@ -357,7 +423,9 @@ NVRAR_HD bool two_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws
   // reduced and pushed while it is in cache; else in one go.
   const size_t piece = (any_remote || any_cma_push) ? cfg.cma_piece_bytes : mine_bytes;
   if (nd > 1 || any_cma_push) tp.jitter();
-  for (size_t off = 0; off < mine_bytes; off += piece) {
+  // One rank per node: nothing to reduce here, the inter-node steps read the input itself.
+  const bool from_input = G == 1 && w.N > 1 && cfg.start_from_input;
+  for (size_t off = 0; off < mine_bytes && !from_input; off += piece) {
     const size_t len = mine_bytes - off < piece ? mine_bytes - off : piece;
     char* scratch = ws.scratch;
     for (int h = 0; h < G; ++h) {
@@ -388,9 +456,11 @@ NVRAR_HD bool two_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws
   size_t final_off = res;
   if (w.N > 1) {
     // Inter-node recursive doubling of shard `me`, then deliver the final shard.
-    if (!inter_node_round(tp, cfg, mine.size(), es, e, sig, sc, b, &final_off)) return false;
+    if (!inter_node_round(tp, cfg, mine.size(), es, e, sig, sc, b, &final_off, from_input ? s.in + mine_off : nullptr,
+                          from_input ? s.out + mine_off : nullptr))
+      return false;
     const char* fin = my + final_off;
-    tp.copy(s.out + mine_off, fin, mine_bytes);
+    if (!from_input) tp.copy(s.out + mine_off, fin, mine_bytes);
     // Only entries of peers are read here: with no local peer (G == 1) no sync separates this
     // loop from the leader's write of ws.peer_out[me] in the next chunk, so that entry must not
     // be read after the round's last sync.
@@ -460,10 +530,14 @@ NVRAR_HD bool one_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws
     tp.reduce(ws.dsts, 1, ws.srcs, G, s.n, sc);
     return true;
   }
-  tp.reduce(ws.dsts, 1, ws.srcs, G, s.n, make_scale(RedOp::kSum, 1));
+  // One rank per node: the inter-node steps read the input itself (NOTE [start from the input]).
+  const bool from_input = G == 1 && cfg.start_from_input;
+  if (!from_input) tp.reduce(ws.dsts, 1, ws.srcs, G, s.n, make_scale(RedOp::kSum, 1));
   size_t final_off = 0;
-  if (!inter_node_round(tp, cfg, s.n, s.es, e, sig, sc, b, &final_off)) return false;
-  tp.copy(s.out, my + final_off, s.n * s.es);
+  if (!inter_node_round(tp, cfg, s.n, s.es, e, sig, sc, b, &final_off, from_input ? s.in : nullptr,
+                        from_input ? s.out : nullptr))
+    return false;
+  if (!from_input) tp.copy(s.out, my + final_off, s.n * s.es);
   return true;
 }
 

@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_tile(T* p, const T (&src)[V]) {
 // order 0..nsrc-1, accumulation in acc_t<T>, optional avg scale, one rounding, then the same bits
 // stored to every destination.
 template <int V, bool kFull, typename T, typename Op>
-NVRAR_HD void reduce_vec(T* const* dst, int ndst, const T* const* src, int nsrc, size_t off, size_t len, Op op,
+NVRAR_KERNEL void reduce_vec(T* const* dst, int ndst, const T* const* src, int nsrc, size_t off, size_t len, Op op,
                          Scale sc) {
   acc_t<T> acc[V];
   const size_t m = kFull ? static_cast<size_t>(V) : len;
@@ -126,7 +126,7 @@ NVRAR_HD void reduce_vec(T* const* dst, int ndst, const T* const* src, int nsrc,
 // loaded completely before any of it is stored.
 // V: elements per vector (host: a cache-friendly tile the compiler vectorizes; device: 16 bytes).
 template <int V, typename T, typename Op, typename Group>
-NVRAR_HD void reduce_slice(const Group& grp, T* const* dst, int ndst, const T* const* src, int nsrc, size_t n, Op op,
+NVRAR_KERNEL void reduce_slice(const Group& grp, T* const* dst, int ndst, const T* const* src, int nsrc, size_t n, Op op,
                            Scale sc) {
 #if NVRAR_ON_DEVICE
   const size_t step = static_cast<size_t>(grp.size()) * V;
