@@ -23,6 +23,9 @@ machine's cores, mpi_yield_when_idle 1 (what Open MPI picks on a node it knows o
 host here can know). nvrar bootstraps over MPI.COMM_WORLD; gloo's store is on MASTER_ADDR = host
 0's address (GLOO_SOCKET_IFNAME=eth0). The pieces and why each is needed: tests/_netns_mpi.py.
 
+The ranks get this environment's NVRAR_* and UCX_* variables and PYTHONPATH (an old build beside
+the new: PYTHONPATH=DIR of a `pip install --target DIR`); --backends picks the backends.
+
 Launcher `env` (the fallback, or --launcher env): every rank started in its host with torchrun-style
 variables; no MPI_Allreduce (the table says so).
 
