@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "../protocol/round.h"
 #include "reduce_kernels.h"
 
 namespace nvrar {
@@ -60,19 +61,14 @@ struct RemoteWriteCheck {
 
 // NOTE [landings] (protocol/round.h) across hosts: the put of `word` into my zone at zone_off
 // (`bytes` in all) flagged in a cell is applied piece by piece as it arrives, from UCX's receive
-// buffer: dst = data, or dst = fn(mine, data) in the Landing's order and scale. A piece is applied
-// only if its put matches the expectation exactly (word, zone, size, the call description in its
-// cell image, element alignment); any other lands in the zone as always, and the waiting rank
-// checks it there (a mismatched call is raised, never combined).
+// buffer, by the round's own apply_landing (the same operands in the same order). A piece is
+// applied only if its put matches the expectation exactly (word, zone, size, the call
+// description in its cell image, element alignment); any other lands in the zone as always, and
+// the waiting rank checks it there (a mismatched call is raised, never combined).
 struct LinkLanding {
   uint64_t word;
-  size_t zone_off, bytes;
-  char* dst;
-  const char* mine;  // nullptr: a copy
-  bool mine_first;
-  size_t es;
-  ReduceFn fn;
-  Scale sc;
+  Landing lg;
+  ReduceFn fn;       // the call's reduction (dtype, op)
   const void* desc;  // the call description my cells must carry (32 bytes, protocol/desc.h)
 };
 

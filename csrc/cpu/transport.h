@@ -101,8 +101,7 @@ struct CpuTransport {
   // (HostLink::expect); one through shared memory is applied from the zone after the wait.
   void expect(size_t cell, uint64_t word, int peer, const Landing& lg) {
     if (ex->link_ != nullptr && ex->remote(peer))
-      ex->link_->expect(cell, LinkLanding{word, lg.zone_off, lg.bytes, lg.dst, lg.mine, lg.mine_first, lg.es, fn, lg.sc,
-                                          &ex->desc_});
+      ex->link_->expect(cell, LinkLanding{word, lg, fn, &ex->desc_});
   }
   bool wait_land(size_t cell, uint64_t e, uint32_t sig, Phase phase, int step, int peer, const Landing& lg) {
     uint64_t a0, a1;

@@ -415,17 +415,14 @@ class UcxLink final : public HostLink {
         self->dropped_.fetch_add(1);
         return UCS_OK;
       }
-      const LinkLanding* lg = self->expected(h, piece, word, in + piece);
-      ++(lg == nullptr ? self->in_zone_ : self->on_arrival_);
-      if (lg == nullptr) {
+      const LinkLanding* x = self->expected(h, piece, word, in + piece);
+      ++(x == nullptr ? self->in_zone_ : self->on_arrival_);
+      if (x == nullptr) {
         std::memcpy(seg + h.dst_off + h.piece_off, in, piece);
         a.in_zone.emplace_back(h.piece_off, piece);
-      } else if (lg->mine == nullptr) {
-        std::memcpy(lg->dst + h.piece_off, in, piece);
       } else {
-        const void* ops[2] = {lg->mine_first ? lg->mine + h.piece_off : in, lg->mine_first ? in : lg->mine + h.piece_off};
-        void* dsts[1] = {lg->dst + h.piece_off};
-        lg->fn(dsts, 1, ops, 2, piece / lg->es, lg->sc);
+        Apply ap{x->fn};
+        apply_landing(ap, x->lg, in, h.piece_off, piece);
       }
       a.got += piece;
       if (a.got < h.bytes) return UCS_OK;
@@ -439,15 +436,24 @@ class UcxLink final : public HostLink {
   // The expectation this piece (header h, its cell image at `image`) meets exactly, or nullptr
   // (NOTE [landings], host_link.h).
   const LinkLanding* expected(const MsgHeader& h, size_t piece, uint64_t word, const char* image) const {
-    for (const auto& x : expected_) {
-      const LinkLanding& lg = x.second;
-      if (x.first != h.cell_off || lg.word != word || lg.zone_off != h.dst_off || lg.bytes != h.bytes) continue;
-      if (h.piece_off % lg.es != 0 || piece % lg.es != 0) return nullptr;
-      if (std::memcmp(image + kCellBytes - kDescBytes, lg.desc, kDescBytes) != 0) return nullptr;
-      return &lg;
+    for (const auto& e : expected_) {
+      const LinkLanding& x = e.second;
+      if (e.first != h.cell_off || x.word != word || x.lg.zone_off != h.dst_off || x.lg.bytes != h.bytes) continue;
+      if (h.piece_off % x.lg.es != 0 || piece % x.lg.es != 0) return nullptr;
+      if (std::memcmp(image + kCellBytes - kDescBytes, x.desc, kDescBytes) != 0) return nullptr;
+      return &x;
     }
     return nullptr;
   }
+
+  // What apply_landing (protocol/round.h) asks of a transport, for a piece in UCX's buffer.
+  struct Apply {
+    ReduceFn fn;
+    void copy(char* dst, const char* src, size_t bytes) const { std::memcpy(dst, src, bytes); }
+    void reduce(char* const* dst, int nd, const char* const* src, int ns, size_t n, Scale sc) const {
+      fn(reinterpret_cast<void* const*>(dst), nd, reinterpret_cast<const void* const*>(src), ns, n, sc);
+    }
+  };
 
   void check(ucs_status_t st, const std::string& what) const {
     NVRAR_CHECK(st == UCS_OK, "nvrar: rank ", rank_, ": UCX failed ", what, ": ",
@@ -566,8 +572,8 @@ class UcxLink final : public HostLink {
     uint64_t got = 0;   // its data bytes arrived so far
     std::vector<std::pair<size_t, size_t>> in_zone;  // its pieces that landed in the zone (NOTE [landings])
   };
-  std::vector<std::pair<size_t, LinkLanding>> expected_;
-  uint64_t on_arrival_ = 0, in_zone_ = 0;  // pieces applied as they arrived / landed in a zone  // per cell offset (NOTE [landings])
+  std::vector<std::pair<size_t, LinkLanding>> expected_;  // per cell offset (NOTE [landings])
+  uint64_t on_arrival_ = 0, in_zone_ = 0;                  // pieces applied as they arrived / landed in a zone
   std::unordered_map<size_t, Arrival> arrivals_;  // per cell offset (NOTE [pieces])
   std::list<std::vector<char>> forged_;           // payloads of forge() (testing)
   std::thread thread_;
