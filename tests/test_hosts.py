@@ -54,44 +54,46 @@ def run_hosts(n_hosts: int, G: int, task: str, args: dict, timeout: float = 180.
     base_env = {k: v for k, v in os.environ.items()
                 if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID",
                              "TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT")}
-    hosts = _netns.Hosts(n_hosts, tmp)
-    shm: List[str] = []
-    with hosts:
-        for h in range(n_hosts):
-            ranks = []
-            for local in range(G):
-                r = h * G + local
-                e = {"RANK": r, "WORLD_SIZE": W, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": G,
-                     "MASTER_ADDR": hosts.addr(0), "MASTER_PORT": port, "NVRAR_SESSION_SECRET": SECRET,
-                     "PYTHONUNBUFFERED": 1, "PYTHONPATH": ROOT,
-                     "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")}
-                e.update(env or {})
-                e.update((rank_env or {}).get(r, {}))
-                full = dict(base_env)
-                full.update({k: str(v) for k, v in e.items()})
-                a = dict(args, dir=tmp)
-                ranks.append({"argv": [sys.executable, WORKER, task, json.dumps(a), os.path.join(tmp, f"rank{r}.json")],
-                              "env": full, "log": os.path.join(tmp, f"rank{r}.log")})
-            hosts.start(h, ranks)
-        if during is not None:
-            during(hosts, tmp)
-        codes = hosts.wait(timeout)
-        for h in range(n_hosts):
-            path = os.path.join(tmp, f"shm-{h}.txt")
-            shm.append(open(path).read().strip() if os.path.exists(path) else "<host gone>")
-    left = hosts.exists()
-    results = []
-    for r in range(W):
-        path = os.path.join(tmp, f"rank{r}.json")
-        report = json.load(open(path)) if os.path.exists(path) else None
-        log = open(os.path.join(tmp, f"rank{r}.log")).read() if os.path.exists(os.path.join(tmp, f"rank{r}.log")) else ""
-        rc = 0 if report is not None and "exception" not in report else 1
-        if codes[r // G] is None:
-            log += f"\n[test_hosts] host {r // G} still running after {timeout:.0f} s (killed)"
-            rc = 1
-        results.append(RankResult(r, rc, "", log[-4000:], report))
-    if workdir is None:
-        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hosts = _netns.Hosts(n_hosts, tmp)
+        shm: List[str] = []
+        with hosts:
+            for h in range(n_hosts):
+                ranks = []
+                for local in range(G):
+                    r = h * G + local
+                    e = {"RANK": r, "WORLD_SIZE": W, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": G,
+                         "MASTER_ADDR": hosts.addr(0), "MASTER_PORT": port, "NVRAR_SESSION_SECRET": SECRET,
+                         "PYTHONUNBUFFERED": 1, "PYTHONPATH": ROOT,
+                         "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")}
+                    e.update(env or {})
+                    e.update((rank_env or {}).get(r, {}))
+                    full = dict(base_env)
+                    full.update({k: str(v) for k, v in e.items()})
+                    a = dict(args, dir=tmp)
+                    ranks.append({"argv": [sys.executable, WORKER, task, json.dumps(a), os.path.join(tmp, f"rank{r}.json")],
+                                  "env": full, "log": os.path.join(tmp, f"rank{r}.log")})
+                hosts.start(h, ranks)
+            if during is not None:
+                during(hosts, tmp)
+            codes = hosts.wait(timeout)
+            for h in range(n_hosts):
+                path = os.path.join(tmp, f"shm-{h}.txt")
+                shm.append(open(path).read().strip() if os.path.exists(path) else "<host gone>")
+        left = hosts.exists()
+        results = []
+        for r in range(W):
+            path = os.path.join(tmp, f"rank{r}.json")
+            report = json.load(open(path)) if os.path.exists(path) else None
+            log = open(os.path.join(tmp, f"rank{r}.log")).read() if os.path.exists(os.path.join(tmp, f"rank{r}.log")) else ""
+            rc = 0 if report is not None and "exception" not in report else 1
+            if codes[r // G] is None:
+                log += f"\n[test_hosts] host {r // G} still running after {timeout:.0f} s (killed)"
+                rc = 1
+            results.append(RankResult(r, rc, "", log[-4000:], report))
+    finally:  # a failed start or wait leaves nothing of this run in /tmp either
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return results, shm, left
 
 
