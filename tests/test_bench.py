@@ -156,7 +156,9 @@ def _deepspeed_installed() -> bool:
 
 def test_deepspeed_peer_runs_where_installed(tmp_path):
     """The DeepSpeed shm all-reduce beside nvrar in one run; where DeepSpeed is not installed the
-    run still succeeds and says why the peer was skipped."""
+    run still succeeds and says why the peer was skipped. Nothing of DeepSpeed's stays in
+    /dev/shm (it never removes its 69 MB segments itself)."""
+    before = set(os.listdir("/dev/shm"))
     out = run(bench_cmd() + QUICK + ["--backends", "nvrar,deepspeed", "--buffers", "ordinary", "--algorithms", "auto",
                                      "--timing", "cold", "--json", "r.json"], tmp_path, timeout=600)
     data = load(tmp_path / "r.json")
@@ -168,6 +170,8 @@ def test_deepspeed_peer_runs_where_installed(tmp_path):
     if rows:
         assert {r["bytes"] for r in rows} == {8192, 16384, 32768} and all(r["wrong"] == 0 for r in rows)
         assert "deepspeed/shm" in out
+        left = sorted(f for f in set(os.listdir("/dev/shm")) - before if f.startswith("deepspeed_"))
+        assert left == [], left
     else:  # installed, but its shm op cannot run here: skipped, with that reason
         reason = skipped.get("deepspeed") or skipped.get("deepspeed/shm", "")
         assert "shm" in reason or "avx" in reason, skipped
