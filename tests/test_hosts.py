@@ -26,6 +26,7 @@ import pytest
 import _netns
 from _hosts_tasks import FORGED
 from nvrar import _C
+from nvrar.settings import HD_MIN_BYTES_HOSTS
 from _launch import HERE, WORKER, RankResult, assert_all_ok, describe, free_port, launch
 
 WHY_NOT = _netns.why_not()
@@ -132,6 +133,10 @@ def test_matrix_across_hosts(n_hosts, per_host, G):
                 lanes = tls.split(",")
                 assert lanes and all(lane.split("/")[0] == "tcp" for lane in lanes), (rep["rank"], peer, tls)
         assert rep["host"] == f"nvrhost{rep['rank'] // per_host}"
+        # comm.settings says what the executor across hosts was built with: no LL packets,
+        # halving-doubling from HD_MIN_BYTES_HOSTS (its default across hosts) or NVRAR_HD_MIN_BYTES
+        hd_min = 16 << 10 if env else HD_MIN_BYTES_HOSTS
+        assert rep["settings"] == {"ll_max_bytes": 0, "hd_min_bytes": hd_min}, rep["settings"]
     assert len({rep["matrix"]["digest"] for rep in reports}) == 1, "results differ between ranks (bitwise)"
     if env is not None:
         # NOTE [landings]: halving-doubling's puts from the other host were combined (or, one rank
