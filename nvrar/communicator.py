@@ -195,6 +195,7 @@ class Communicator:
 
     @property
     def device(self) -> str:
+        """The executor's device, "cpu" or "cuda" (the same as :attr:`backend`)."""
         return self._device
 
     @property
@@ -204,6 +205,7 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` ran (or construction failed): every call then raises."""
         return self._closed
 
     @property
@@ -290,7 +292,8 @@ class Communicator:
         """Fused all-reduce + residual add + RMSNorm, in place (like vLLM's fused_add_rms_norm):
         ``residual += all_reduce_sum(x)``, then ``x = rms_norm(residual) * weight``; returns
         ``(x, residual)``. x and residual: shape (..., h); weight: (h,); one dtype (float32,
-        float16, bfloat16), contiguous, CPU. Sum, mean of squares and scaling in fp32, each output
+        float16, bfloat16), contiguous, on the communicator's device (CPU arrays or tensors; a
+        "cuda" communicator's CUDA tensors). Sum, mean of squares and scaling in fp32, each output
         rounded once; the norm reads the rounded new residual. residual and weight must be the same
         on every rank; every rank ends with bitwise identical x and residual. Every rank must call
         with the same shape, dtype and eps. See nvrar/_fused.py and docs/fused.md.
