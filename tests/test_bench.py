@@ -71,6 +71,7 @@ def test_local_launcher_with_emulated_nodes(tmp_path):
     assert data["meta"]["world_size"] == 3 and data["meta"]["num_nodes"] == 3
     assert "mpi" in data["meta"]["skipped"]  # not launched by mpirun: reported, not an error
     assert "skipped: mpi" in out
+    assert data["meta"]["control"] == "nvrar"  # no MPI, no torch: a control communicator of its own
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpirun")),
@@ -87,6 +88,9 @@ def test_under_mpirun_four_ranks_two_per_node(tmp_path):
     # the text report says the same
     assert "# world 4 ranks, 2 per node (2 nodes)" in out and "# total #wrong: 0" in out
     assert "gloo" in {r["backend"] for r in data["results"]}
+    # the benchmark's own coordination goes through MPI under mpirun, never through gloo, whose
+    # tcp loop thread spins on a peer's early message and slows whatever is timed beside it
+    assert data["meta"]["control"] == "mpi"
 
 
 def test_bad_arguments_are_rejected(tmp_path):
