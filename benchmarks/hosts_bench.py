@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -181,6 +182,61 @@ def print_table(res: dict) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def summarize_runs(runs: List[dict]) -> dict:
+    """Several runs of one layout -> per size and timing: nvrar's time (the median of the runs'
+    medians) and every peer's same-run ratio peer/nvrar (the median over the runs, with min and
+    max). On 4 ranks and 2 cores one run's ratio moves by up to 2x at some sizes: a claim needs
+    several runs."""
+    out: dict = {"layout": runs[0]["layout"], "runs": len(runs), "sizes": runs[0]["sizes"], "nvrar_us": {},
+                 "ratios": {}}
+    for size in runs[0]["sizes"]:
+        for timing in ("warm", "cold"):
+            key = f"{size}/{timing}"
+            nv = [r["medians_us"].get(f"nvrar/{key}") for r in runs]
+            if any(v is None or v <= 0 for v in nv):
+                continue
+            out["nvrar_us"][key] = statistics.median(nv)
+            for b in BACKENDS[1:]:
+                peer = [r["medians_us"].get(f"{b}/{key}") for r in runs]
+                if any(v is None for v in peer):
+                    continue
+                q = [pv / n for pv, n in zip(peer, nv)]
+                out["ratios"][f"{b}/{key}"] = {"median": statistics.median(q), "min": min(q), "max": max(q)}
+    return out
+
+
+def print_summary(sm: dict) -> None:
+    peers = [b for b in BACKENDS[1:] if any(k.startswith(b + "/") for k in sm["ratios"])]
+    print(f"\n{sm['layout']}, {sm['runs']} runs: nvrar's time is the median of the runs' medians; a ratio "
+          "peer/nvrar is the median of the same-run ratios (min-max)")
+    head = ["size"]
+    for timing in ("warm", "cold"):
+        head += [f"nvrar {timing} (us)"] + [f"{b}/nvrar {timing}" for b in peers]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for size in sm["sizes"]:
+        cells = [fmt_bytes(size)]
+        for timing in ("warm", "cold"):
+            nv = sm["nvrar_us"].get(f"{size}/{timing}")
+            cells.append(f"{nv:.0f}" if nv is not None else "-")
+            for b in peers:
+                q = sm["ratios"].get(f"{b}/{size}/{timing}")
+                cells.append(f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-")
+        print("| " + " | ".join(cells) + " |")
+    # issue 18's done-when, on the medians: faster than gloo at every size, than MPI at 128 KB-2 MB
+    for b, lo, hi in (("gloo", 0, 1 << 62), ("mpi", 128 << 10, 2 << 20)):
+        for timing in ("warm", "cold"):
+            qs = {size: sm["ratios"][f"{b}/{size}/{timing}"]["median"] for size in sm["sizes"]
+                  if lo <= size <= hi and f"{b}/{size}/{timing}" in sm["ratios"]}
+            if not qs:
+                continue
+            slow = [fmt_bytes(size) for size, q in qs.items() if q <= 1.0]
+            span = "every size" if b == "gloo" else "128 KB-2 MB"
+            print(f"# {sm['layout']} {timing}: nvrar faster than {b} at {span} (median ratio > 1): "
+                  + ("yes" if not slow else "no, not at " + ", ".join(slow))
+                  + f"; lowest median {min(qs.values()):.2f}")
+
+
 def _size(text: str) -> int:
     from nvrar.env import parse_bytes
 
@@ -205,6 +261,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline of one layout's run, seconds (default 1800)")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma-separated, of nvrar,gloo,mpi (default all three; mpi needs the mpirun launcher)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every layout this many times (the layouts alternate), then print per layout the "
+                        "median of the runs with each ratio's range (default 1)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
     layouts = []
@@ -223,6 +282,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         p.error("--mca takes KEY=VALUE")
     if args.iters < 1 or args.warmup < 0 or args.min_bytes <= 0 or args.max_bytes < args.min_bytes:
         p.error("need --iters >= 1, --warmup >= 0 and 0 < --min-bytes <= --max-bytes")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     why = _netns.why_not()
     if why:
         raise SystemExit(f"hosts_bench: {why}")
@@ -233,17 +294,27 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"hosts_bench: no MPI_Allreduce ({mpi_why}); nvrar and gloo with torchrun-style variables", file=sys.stderr)
     results = []
     with tempfile.TemporaryDirectory(prefix="nvrar-hb-") as tmp:
-        for n, g in layouts:
-            if mpirun:
-                data, command = run_mpirun(mpirun, n, g, args, tmp)
-            else:
-                data, command = run_env(n, g, args, tmp)
-            res = summarize(f"{n}x{g}", data, "mpirun" if mpirun else "env", command, "" if mpirun else mpi_why)
-            print_table(res)
-            results.append(res)
+        for run in range(args.repeat):
+            for n, g in layouts:
+                if mpirun:
+                    data, command = run_mpirun(mpirun, n, g, args, tmp)
+                else:
+                    data, command = run_env(n, g, args, tmp)
+                res = summarize(f"{n}x{g}", data, "mpirun" if mpirun else "env", command, "" if mpirun else mpi_why)
+                res["run"] = run + 1
+                if args.repeat > 1:
+                    print(f"\n# run {run + 1} of {args.repeat}")
+                print_table(res)
+                results.append(res)
+    summaries = []
+    for n, g in layouts:
+        runs = [r for r in results if r["layout"] == f"{n}x{g}"]
+        sm = summarize_runs(runs)
+        summaries.append(sm)
+        print_summary(sm)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"load": os.getloadavg(), "results": results}, f, indent=1)
+            json.dump({"load": os.getloadavg(), "results": results, "summaries": summaries}, f, indent=1)
     if any(r["wrong"] for r in results):
         raise SystemExit("hosts_bench: some results were wrong (#wrong > 0)")
 

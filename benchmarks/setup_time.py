@@ -48,8 +48,12 @@ def rank_main(iters: int, report: str) -> int:
 
 def run(world: int, iters: int, timeout: float = 300.0) -> Dict[str, float]:
     """Launch ``world`` local ranks; returns the median and max (ms) of the slowest rank per iteration."""
+    with tempfile.TemporaryDirectory(prefix="nvrar-setup-") as tmp:
+        return _run_in(world, iters, timeout, tmp)
+
+
+def _run_in(world: int, iters: int, timeout: float, tmp: str) -> Dict[str, float]:
     port = _free_port()
-    tmp = tempfile.mkdtemp(prefix="nvrar-setup-")
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -73,14 +73,17 @@ class Communicator:
         ranks_per_node: ranks per node (G). Default: the launcher's local size, or the number of
             ranks on this host. A smaller value emulates several nodes on one host, so that the
             inter-node recursive doubling runs for real.
-        max_bytes: largest chunk one protocol round reduces (bytes; ``NVRAR_MAX_BYTES``, 4 MiB).
-            Larger messages are reduced in chunks. Must be equal on every rank.
+        max_bytes: largest chunk one protocol round reduces (bytes; ``NVRAR_MAX_BYTES``; 4 MiB
+            on CPU, 16 MiB on GPU). Larger messages are reduced in chunks. Must be equal
+            on every rank.
         timeout: deadline in seconds of every wait (``NVRAR_TIMEOUT_S``, 60).
-        heap_bytes: size of the zero-copy pool behind :meth:`empty` (``NVRAR_HEAP_BYTES``, 32 MiB).
+        heap_bytes: size of the zero-copy pool behind :meth:`empty` (``NVRAR_HEAP_BYTES``; 32 MiB
+            on CPU, 64 MiB on GPU).
         algorithm: "auto" (default, ``NVRAR_ALGORITHM``), "one-shot" or "two-shot" for every call.
             ``algo=`` is its deprecated spelling.
-        device: "cpu" (default: the shared-memory executor, ranks on one host) or "cuda" (the GPU
-            executor over NVSHMEM: torch CUDA tensors and cupy arrays, any number of nodes).
+        device: "cpu" (default: the CPU executor, shared memory inside a host and UCX between
+            hosts, ``nvrar[ucx]``) or "cuda" (the GPU executor over NVSHMEM: torch CUDA tensors and
+            cupy arrays, any number of nodes).
 
     The defaults are those of :mod:`nvrar.settings`. Collective: every rank of the group must
     construct it, with the same settings.
@@ -139,6 +142,8 @@ class Communicator:
                     st = dataclasses.replace(st, cma_min_bytes=cma_min)
                     self._settings = st
                 self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret)
+                if hosts and len(set(hosts)) > 1:  # what setup_cpu built across hosts: no LL, its HD threshold
+                    self._settings = dataclasses.replace(st, ll_max_bytes=0, hd_min_bytes=st.hd_min(True))
             else:
                 self._ex, self._cuda_device = _setup.setup_gpu(boot, self._rank, self._world, G, st)
         except BaseException:
@@ -190,6 +195,7 @@ class Communicator:
 
     @property
     def device(self) -> str:
+        """The executor's device, "cpu" or "cuda" (the same as :attr:`backend`)."""
         return self._device
 
     @property
@@ -199,6 +205,7 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` ran (or construction failed): every call then raises."""
         return self._closed
 
     @property
@@ -285,7 +292,8 @@ class Communicator:
         """Fused all-reduce + residual add + RMSNorm, in place (like vLLM's fused_add_rms_norm):
         ``residual += all_reduce_sum(x)``, then ``x = rms_norm(residual) * weight``; returns
         ``(x, residual)``. x and residual: shape (..., h); weight: (h,); one dtype (float32,
-        float16, bfloat16), contiguous, CPU. Sum, mean of squares and scaling in fp32, each output
+        float16, bfloat16), contiguous, on the communicator's device (CPU arrays or tensors; a
+        "cuda" communicator's CUDA tensors). Sum, mean of squares and scaling in fp32, each output
         rounded once; the norm reads the rounded new residual. residual and weight must be the same
         on every rank; every rank ends with bitwise identical x and residual. Every rank must call
         with the same shape, dtype and eps. See nvrar/_fused.py and docs/fused.md.

@@ -5,7 +5,7 @@ defaults below (nvrar.env.resolve reads them in that order). The native executor
 defaults of their own: nvrar passes every value explicitly (nvrar/_setup.py), and the texts of
 nvrar.env.VARIABLES are derived from these constants. This module imports nothing else of nvrar
 but the native module (its algorithm codes): env.py and selector.py build on it, never the
-other way round, so that the package's import graph has no cycle (tests/test_settings.py).
+other way round, so that the package's import graph has no cycle (tests/test_imports.py).
 """
 
 from __future__ import annotations

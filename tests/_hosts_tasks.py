@@ -67,6 +67,7 @@ def task_hosts_matrix(args: dict) -> dict:
     report["transports"] = {str(r): comm._ex.link_transports(r) for r in range(comm.world_size)}
     report["landings"] = list(comm._ex.link_landings())  # (applied as they arrived, landed in a zone)
     report["host"] = os.uname().nodename
+    report["settings"] = {"ll_max_bytes": comm.settings.ll_max_bytes, "hd_min_bytes": comm.settings.hd_min_bytes}
     comm.close()
     return report
 

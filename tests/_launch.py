@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_worker.py")
@@ -43,41 +44,48 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
     names the ranks to start (default all): the others never arrive."""
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="nvrar-test-")
-    procs = []
-    for r in (range(world) if start is None else start):
-        a = dict(args or {})
-        if per_rank_args is not None:
-            a.update(per_rank_args[r])
-        e = dict(os.environ)
-        for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "LOCAL_WORLD_SIZE",
-                  "TORCHELASTIC_USE_AGENT_STORE"):
-            e.pop(k, None)
-        e.update({"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                  "PYTHONUNBUFFERED": "1",
-                  # hermetic: a tuning table in the user's cache must not change what the tests see
-                  "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")})
-        e.update(env or {})
-        if per_rank_env is not None:
-            e.update(per_rank_env[r])
-        report = os.path.join(tmp, f"rank{r}.json")
-        cmd = [sys.executable, WORKER, task, json.dumps(a), report]
-        procs.append((r, report, subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                  text=True)))
-    deadline = time.monotonic() + timeout
-    results = []
-    for r, report, p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            err += f"\n[launch] rank {r} killed after the {timeout:.0f} s test deadline"
-        data = None
-        if os.path.exists(report):
-            with open(report) as f:
-                data = json.load(f)
-        results.append(RankResult(r, p.returncode, out, err, data))
-    return results
+    procs: List[Tuple[int, str, subprocess.Popen]] = []
+    try:
+        for r in (range(world) if start is None else start):
+            a = dict(args or {})
+            if per_rank_args is not None:
+                a.update(per_rank_args[r])
+            e = dict(os.environ)
+            for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "LOCAL_WORLD_SIZE",
+                      "TORCHELASTIC_USE_AGENT_STORE"):
+                e.pop(k, None)
+            e.update({"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "PYTHONUNBUFFERED": "1",
+                      # hermetic: a tuning table in the user's cache must not change what the tests see
+                      "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")})
+            e.update(env or {})
+            if per_rank_env is not None:
+                e.update(per_rank_env[r])
+            report = os.path.join(tmp, f"rank{r}.json")
+            cmd = [sys.executable, WORKER, task, json.dumps(a), report]
+            procs.append((r, report, subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                      text=True)))
+        deadline = time.monotonic() + timeout
+        results = []
+        for r, report, p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                err += f"\n[launch] rank {r} killed after the {timeout:.0f} s test deadline"
+            data = None
+            if os.path.exists(report):
+                with open(report) as f:
+                    data = json.load(f)
+            results.append(RankResult(r, p.returncode, out, err, data))
+        return results
+    finally:  # the reports are read above: no rank outlives the call, nothing of it stays in /tmp
+        for _r, _report, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def describe(results: List[RankResult]) -> str:

@@ -69,6 +69,8 @@ class MpiHosts:
 
     def start(self, timeout: float = 30.0) -> None:
         h = self.hosts
+        if os.path.exists(self.stop_file):  # an earlier launch's, in the same workdir: it would end the agents at once
+            os.remove(self.stop_file)
         _netns._ip("-n", h.bridge_ns, "addr", "add", f"{LAUNCH_ADDR}/24", "dev", "br0")
         for i in range(h.n):
             h.start(i, [self._idle(os.path.join(self.workdir, f"idle-{h.n}-{i}.log"))])

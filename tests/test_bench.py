@@ -71,6 +71,7 @@ def test_local_launcher_with_emulated_nodes(tmp_path):
     assert data["meta"]["world_size"] == 3 and data["meta"]["num_nodes"] == 3
     assert "mpi" in data["meta"]["skipped"]  # not launched by mpirun: reported, not an error
     assert "skipped: mpi" in out
+    assert data["meta"]["control"] == "nvrar"  # no MPI, no torch: a control communicator of its own
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpirun")),
@@ -87,6 +88,9 @@ def test_under_mpirun_four_ranks_two_per_node(tmp_path):
     # the text report says the same
     assert "# world 4 ranks, 2 per node (2 nodes)" in out and "# total #wrong: 0" in out
     assert "gloo" in {r["backend"] for r in data["results"]}
+    # the benchmark's own coordination goes through MPI under mpirun, never through gloo, whose
+    # tcp loop thread spins on a peer's early message and slows whatever is timed beside it
+    assert data["meta"]["control"] == "mpi"
 
 
 def test_bad_arguments_are_rejected(tmp_path):
@@ -156,7 +160,9 @@ def _deepspeed_installed() -> bool:
 
 def test_deepspeed_peer_runs_where_installed(tmp_path):
     """The DeepSpeed shm all-reduce beside nvrar in one run; where DeepSpeed is not installed the
-    run still succeeds and says why the peer was skipped."""
+    run still succeeds and says why the peer was skipped. Nothing of DeepSpeed's stays in
+    /dev/shm (it never removes its 69 MB segments itself)."""
+    before = set(os.listdir("/dev/shm"))
     out = run(bench_cmd() + QUICK + ["--backends", "nvrar,deepspeed", "--buffers", "ordinary", "--algorithms", "auto",
                                      "--timing", "cold", "--json", "r.json"], tmp_path, timeout=600)
     data = load(tmp_path / "r.json")
@@ -168,6 +174,8 @@ def test_deepspeed_peer_runs_where_installed(tmp_path):
     if rows:
         assert {r["bytes"] for r in rows} == {8192, 16384, 32768} and all(r["wrong"] == 0 for r in rows)
         assert "deepspeed/shm" in out
+        left = sorted(f for f in set(os.listdir("/dev/shm")) - before if f.startswith("deepspeed_"))
+        assert left == [], left
     else:  # installed, but its shm op cannot run here: skipped, with that reason
         reason = skipped.get("deepspeed") or skipped.get("deepspeed/shm", "")
         assert "shm" in reason or "avx" in reason, skipped

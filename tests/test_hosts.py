@@ -26,6 +26,7 @@ import pytest
 import _netns
 from _hosts_tasks import FORGED
 from nvrar import _C
+from nvrar.settings import HD_MIN_BYTES_HOSTS
 from _launch import HERE, WORKER, RankResult, assert_all_ok, describe, free_port, launch
 
 WHY_NOT = _netns.why_not()
@@ -54,44 +55,46 @@ def run_hosts(n_hosts: int, G: int, task: str, args: dict, timeout: float = 180.
     base_env = {k: v for k, v in os.environ.items()
                 if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID",
                              "TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT")}
-    hosts = _netns.Hosts(n_hosts, tmp)
-    shm: List[str] = []
-    with hosts:
-        for h in range(n_hosts):
-            ranks = []
-            for local in range(G):
-                r = h * G + local
-                e = {"RANK": r, "WORLD_SIZE": W, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": G,
-                     "MASTER_ADDR": hosts.addr(0), "MASTER_PORT": port, "NVRAR_SESSION_SECRET": SECRET,
-                     "PYTHONUNBUFFERED": 1, "PYTHONPATH": ROOT,
-                     "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")}
-                e.update(env or {})
-                e.update((rank_env or {}).get(r, {}))
-                full = dict(base_env)
-                full.update({k: str(v) for k, v in e.items()})
-                a = dict(args, dir=tmp)
-                ranks.append({"argv": [sys.executable, WORKER, task, json.dumps(a), os.path.join(tmp, f"rank{r}.json")],
-                              "env": full, "log": os.path.join(tmp, f"rank{r}.log")})
-            hosts.start(h, ranks)
-        if during is not None:
-            during(hosts, tmp)
-        codes = hosts.wait(timeout)
-        for h in range(n_hosts):
-            path = os.path.join(tmp, f"shm-{h}.txt")
-            shm.append(open(path).read().strip() if os.path.exists(path) else "<host gone>")
-    left = hosts.exists()
-    results = []
-    for r in range(W):
-        path = os.path.join(tmp, f"rank{r}.json")
-        report = json.load(open(path)) if os.path.exists(path) else None
-        log = open(os.path.join(tmp, f"rank{r}.log")).read() if os.path.exists(os.path.join(tmp, f"rank{r}.log")) else ""
-        rc = 0 if report is not None and "exception" not in report else 1
-        if codes[r // G] is None:
-            log += f"\n[test_hosts] host {r // G} still running after {timeout:.0f} s (killed)"
-            rc = 1
-        results.append(RankResult(r, rc, "", log[-4000:], report))
-    if workdir is None:
-        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hosts = _netns.Hosts(n_hosts, tmp)
+        shm: List[str] = []
+        with hosts:
+            for h in range(n_hosts):
+                ranks = []
+                for local in range(G):
+                    r = h * G + local
+                    e = {"RANK": r, "WORLD_SIZE": W, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": G,
+                         "MASTER_ADDR": hosts.addr(0), "MASTER_PORT": port, "NVRAR_SESSION_SECRET": SECRET,
+                         "PYTHONUNBUFFERED": 1, "PYTHONPATH": ROOT,
+                         "NVRAR_TUNING_FILE": os.path.join(tmp, "no-tuning-table.json")}
+                    e.update(env or {})
+                    e.update((rank_env or {}).get(r, {}))
+                    full = dict(base_env)
+                    full.update({k: str(v) for k, v in e.items()})
+                    a = dict(args, dir=tmp)
+                    ranks.append({"argv": [sys.executable, WORKER, task, json.dumps(a), os.path.join(tmp, f"rank{r}.json")],
+                                  "env": full, "log": os.path.join(tmp, f"rank{r}.log")})
+                hosts.start(h, ranks)
+            if during is not None:
+                during(hosts, tmp)
+            codes = hosts.wait(timeout)
+            for h in range(n_hosts):
+                path = os.path.join(tmp, f"shm-{h}.txt")
+                shm.append(open(path).read().strip() if os.path.exists(path) else "<host gone>")
+        left = hosts.exists()
+        results = []
+        for r in range(W):
+            path = os.path.join(tmp, f"rank{r}.json")
+            report = json.load(open(path)) if os.path.exists(path) else None
+            log = open(os.path.join(tmp, f"rank{r}.log")).read() if os.path.exists(os.path.join(tmp, f"rank{r}.log")) else ""
+            rc = 0 if report is not None and "exception" not in report else 1
+            if codes[r // G] is None:
+                log += f"\n[test_hosts] host {r // G} still running after {timeout:.0f} s (killed)"
+                rc = 1
+            results.append(RankResult(r, rc, "", log[-4000:], report))
+    finally:  # a failed start or wait leaves nothing of this run in /tmp either
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return results, shm, left
 
 
@@ -130,6 +133,10 @@ def test_matrix_across_hosts(n_hosts, per_host, G):
                 lanes = tls.split(",")
                 assert lanes and all(lane.split("/")[0] == "tcp" for lane in lanes), (rep["rank"], peer, tls)
         assert rep["host"] == f"nvrhost{rep['rank'] // per_host}"
+        # comm.settings says what the executor across hosts was built with: no LL packets,
+        # halving-doubling from HD_MIN_BYTES_HOSTS (its default across hosts) or NVRAR_HD_MIN_BYTES
+        hd_min = 16 << 10 if env else HD_MIN_BYTES_HOSTS
+        assert rep["settings"] == {"ll_max_bytes": 0, "hd_min_bytes": hd_min}, rep["settings"]
     assert len({rep["matrix"]["digest"] for rep in reports}) == 1, "results differ between ranks (bitwise)"
     if env is not None:
         # NOTE [landings]: halving-doubling's puts from the other host were combined (or, one rank
@@ -328,7 +335,9 @@ def test_torch_backend_dtensor_across_hosts():
 
 def test_nvrar_bench_across_hosts():
     """`nvrar-bench` started by the launcher's variables on each host (one rank per host) runs the
-    inter-host path and verifies its data (#wrong 0)."""
+    inter-host path and verifies its data (#wrong 0). The DeepSpeed peer, asked for, is skipped
+    with the reason (its shm all-reduce serves one host; its setup would wait forever for the
+    other host's segments), never waited for."""
     tmp = tempfile.mkdtemp(prefix="nvrar-hosts-bench-")
     try:
         hosts = _netns.Hosts(2, tmp)
@@ -338,8 +347,8 @@ def test_nvrar_bench_across_hosts():
                 env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
                 env.update({"MASTER_ADDR": hosts.addr(0), "MASTER_PORT": str(port), "RANK": str(h),
                             "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                            "NVRAR_SESSION_SECRET": SECRET, "PYTHONPATH": ROOT})
-                argv = [sys.executable, "-m", "nvrar.bench", "--backends", "nvrar", "--min-bytes", "4K", "--max-bytes",
+                            "NVRAR_SESSION_SECRET": SECRET, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "eth0"})
+                argv = [sys.executable, "-m", "nvrar.bench", "--backends", "nvrar,deepspeed", "--min-bytes", "4K", "--max-bytes",
                         "16K", "--iters", "5", "--warmup", "2", "--json", os.path.join(tmp, f"bench{h}.json")]
                 hosts.start(h, [{"argv": argv, "env": env, "log": os.path.join(tmp, f"bench{h}.log")}])
             codes = hosts.wait(240)
@@ -347,5 +356,10 @@ def test_nvrar_bench_across_hosts():
         assert codes == [0, 0], log[-3000:]
         assert "# total #wrong: 0" in log and "nvrar/two-shot" in log, log[-3000:]
         assert hosts.exists() == []
+        with open(os.path.join(tmp, "bench0.json")) as f:
+            data = json.load(f)
+        why = data["meta"]["skipped"].get("deepspeed", "")
+        assert "not installed" in why or "needs every rank on one host; these ranks run on 2 hosts" in why, why
+        assert {r["backend"] for r in data["results"]} == {"nvrar"}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,7 +4,6 @@ that closed its communicator but lives on, and the deadline with a stopped peer.
 
 import os
 import signal
-import tempfile
 import threading
 import time
 
@@ -59,11 +58,11 @@ def test_max_min_propagate_nan_like_torch_bitwise_on_every_rank(world, G):
 
 # -- 13.6: Ctrl-C inside a call --------------------------------------------------------------------
 
-def test_sigint_in_a_waiting_rank_raises_keyboardinterrupt_and_aborts_peers_at_once():
+def test_sigint_in_a_waiting_rank_raises_keyboardinterrupt_and_aborts_peers_at_once(tmp_path):
     """Ranks 0 and 1 wait inside all_reduce for rank 2, which stays away; SIGINT to rank 1: it
     raises KeyboardInterrupt within a fraction of a second, rank 0 raises at once naming it, and
     rank 2 raises as soon as it calls. The deadline (30 s) is far away."""
-    pidfile = os.path.join(tempfile.mkdtemp(prefix="nvrar-sigint-"), "pid")
+    pidfile = str(tmp_path / "pid")
     sent = {}
 
     def interrupt():

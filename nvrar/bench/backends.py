@@ -9,8 +9,9 @@ NCCL and NVSHMEM's own reduction (nvshmem4py)."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 
@@ -243,6 +244,11 @@ class DeepSpeedBackend(_TorchDist):
         # Its shm op is used only where every rank is local (LOCAL_SIZE == world size), and the
         # ranks name their segments after MASTER_ADDR/MASTER_PORT: the same on every rank.
         world, rank = dist.get_world_size(), dist.get_rank()
+        hosts: List[Any] = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname())
+        if len(set(hosts)) > 1:  # its setup would wait, forever and holding the GIL, for the others' segments
+            return (f"DeepSpeed's shm all-reduce needs every rank on one host; these ranks run on {len(set(hosts))} "
+                    "hosts")
         token = [f"{os.getpid()}" if rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         os.environ.update(LOCAL_SIZE=str(world), LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -258,6 +264,17 @@ class DeepSpeedBackend(_TorchDist):
         import deepspeed.comm.comm as dcomm  # its backend object (cdb) lives there once initialized
 
         self._level = int(getattr(getattr(dcomm, "cdb", None), "shm_vector_kernel_level", 0) or 0)
+        # DeepSpeed never removes its segments (69 MB per rank in /dev/shm, every run). Once every
+        # rank has made a call (its op maps every rank's segment before its first), the names can
+        # go and the mappings stay: nothing is left behind, however the run ends.
+        if self._level >= 1:  # (without avx2 the kernels fault: no call, the rows are skipped)
+            dc.inference_all_reduce(torch.zeros(16, dtype=torch.float32), dc.ReduceOp.SUM)
+        dist.barrier()
+        name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass  # no such segment (another DeepSpeed's naming): nothing of this run's to remove
         return None
 
     def supports(self, dtype: str, op: str) -> Optional[str]:

@@ -57,15 +57,26 @@ def expected(world: int, count: int, op: str, dtype: str) -> np.ndarray:
 
 
 class Control:
-    """The benchmark's own coordination (barrier, per-iteration max, #wrong verdicts): the gloo
-    group of torch.distributed whenever it is initialized (so that nvrar never grades itself),
-    else a separate nvrar CPU communicator (a run without torch)."""
+    """The benchmark's own coordination (barrier, per-iteration max, #wrong verdicts, gathers),
+    never nvrar grading itself: MPI.COMM_WORLD where the ranks run under mpirun (mpi4py), else
+    the gloo group of torch.distributed whenever it is initialized, else a separate nvrar CPU
+    communicator (a run without torch or MPI).
+
+    Not gloo where MPI is there: a rank that reached the next gloo collective first sends its
+    message, and a peer still timing another backend has gloo's tcp loop thread spin on that
+    readable socket (level-triggered epoll, about 20% of a core per rank here) until it joins,
+    which slowed every backend timed beside gloo (4 ranks on 2 cores: nvrar's back-to-back 4 KB
+    call 103 -> 497 us, MPI's 79 -> 163 us; docs/results.md)."""
 
     def __init__(self, comm: Optional[Communicator]) -> None:
         self.comm = comm
+        self.mpi = _mpi_world()
+        self.kind = "mpi" if self.mpi is not None else ("gloo" if comm is None else "nvrar")
 
     def barrier(self) -> None:
-        if self.comm is None:
+        if self.mpi is not None:
+            self.mpi.Barrier()
+        elif self.comm is None:
             import torch.distributed as dist
 
             dist.barrier()
@@ -73,6 +84,13 @@ class Control:
             self.comm.all_reduce(np.zeros(1, np.int32))
 
     def max(self, values: np.ndarray) -> np.ndarray:
+        if self.mpi is not None:
+            from mpi4py import MPI
+
+            mine = np.ascontiguousarray(values)
+            out = np.empty_like(mine)
+            self.mpi.Allreduce(mine, out, op=MPI.MAX)
+            return out
         if self.comm is None:
             import torch
             import torch.distributed as dist
@@ -86,13 +104,11 @@ class Control:
         """The barrier before each timed call of a cold measurement: MPI's where the ranks run
         under mpirun (it releases the ranks within a microsecond or two of each other), else
         the control group's."""
-        world = _mpi_world()
-        if world is not None:
-            world.Barrier()
-        else:
-            self.barrier()
+        self.barrier()
 
     def gather(self, value: Any) -> List[Any]:
+        if self.mpi is not None:
+            return list(self.mpi.allgather(value))
         import torch.distributed as dist
 
         out: List[Any] = [None] * dist.get_world_size()
@@ -325,8 +341,8 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     n_sym = ("symmetric" in args.buffers) * len([a for a in args.algorithms.split(",") if a.strip()])
     n_sym += 2 if (gpu and "nvshmem" in names) else 0
     heap = max(32 << 20, n_sym * (args.max_bytes + 4096) + (1 << 20))
-    ctl_comm = None if torch_skip is None else Communicator(ranks_per_node=args.ranks_per_node,
-                                                           timeout=args.timeout, heap_bytes=1 << 16)
+    ctl_comm = None if (torch_skip is None or _mpi_world() is not None) else Communicator(
+        ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=1 << 16)
     comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap, device=args.device)
     ctl = Control(ctl_comm)
     rank, world = comm.rank, comm.world_size
@@ -387,6 +403,7 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["nvrar-bench"] + [a for a in args.argv if a != "--launched-by" and a != args.launched_by]),
         "skipped": skipped,
+        "control": ctl.kind,  # the benchmark's own barriers, maxima and verdicts (Control)
     }
     links = getattr(comm._ex, "link_transports", None) if not gpu else None
     if links is not None and torch_skip is None:  # across hosts: the UCX transports of every rank's links

@@ -1,4 +1,7 @@
-"""Published all-reduce latencies the built-in profiles are calibrated against (ANCHORS.md).
+"""Published all-reduce latencies the built-in profiles are calibrated against.
+
+Copied from the table of published measurements in the project's shared notes ("ANCHORS", not
+part of this repository): this module is where a reader of the repository finds them.
 
 Each anchor names the profile it belongs to, the layout, the size, the measured range in
 microseconds, which model output it is compared with, and where the number comes from.

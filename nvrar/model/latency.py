@@ -5,7 +5,7 @@ Every cost is built as ``Terms``: a map from a profile parameter (see
 a bandwidth (whose beta is us per byte). The time is the dot product with the profile
 (:func:`evaluate`), so every cost is linear in the parameters and can be fitted by least squares.
 
-Layout: N nodes x G ranks per node, W = N*G, message M bytes. NVRAR (ARCHITECTURE.md):
+Layout: N nodes x G ranks per node, W = N*G, message M bytes. NVRAR (docs/design.md):
 
 * two-shot hierarchical: stage-in copy (2M bytes of local traffic); intra-node reduce-scatter, one
   phase in which each rank loads (G-1) shards of s = M/G over NVLink and reduces them; inter-node

@@ -7,8 +7,8 @@ A latency parameter (``*_us``) is an alpha in microseconds. A bandwidth paramete
 :mod:`nvrar.model.fit` calibrate them by linear least squares.
 
 Sources are cited per field in ``Profile.sources``. "ANCHORS" means the table of published
-measurements and hardware constants in the project's shared ANCHORS.md (each row there names its
-own origin); "fit: ..." means the value was chosen so that the model reproduces the named
+measurements and hardware constants in the project's shared notes, not part of this repository
+(each row there names its own origin; the measurements are in :mod:`nvrar.model.anchors`); "fit: ..." means the value was chosen so that the model reproduces the named
 measurement (see docs/planner.md for the residuals).
 """
 
@@ -111,7 +111,7 @@ def with_linear_values(profile: Profile, values: Mapping[str, float]) -> Profile
 _NCCL_TUNING = "NCCL src/graph/tuning.cc (github.com/NVIDIA/nccl)"
 _LAUNCH = "ANCHORS: kernel launch about 2.6 us minimum"
 _REF_OVERHEAD = (
-    "6 kernel launches per call in the reference implementation (ARCHITECTURE.md, known defects) "
+    "6 kernel launches per call in the reference implementation (the project's shared notes: its known defects) "
     "x 2.6 us (ANCHORS kernel launch); no CUDA graphs, as in the reference measurement"
 )
 _NVL_PHASE = (
