@@ -18,7 +18,7 @@ import numpy as np
 from .. import _arrays
 from ..bootstrap import mpi_launched
 
-__all__ = ["Backend", "NvrarBackend", "MPIBackend", "GlooBackend", "DeepSpeedBackend", "NCCLBackend", "NvshmemBackend",
+__all__ = ["Backend", "NvrarBackend", "MPIBackend", "GlooBackend", "DeepSpeedBackend", "release_deepspeed_segment", "NCCLBackend", "NvshmemBackend",
            "DTYPES"]
 
 # name -> (numpy dtype or None, torch dtype name, element size)
@@ -264,17 +264,7 @@ class DeepSpeedBackend(_TorchDist):
         import deepspeed.comm.comm as dcomm  # its backend object (cdb) lives there once initialized
 
         self._level = int(getattr(getattr(dcomm, "cdb", None), "shm_vector_kernel_level", 0) or 0)
-        # DeepSpeed never removes its segments (69 MB per rank in /dev/shm, every run). Once every
-        # rank has made a call (its op maps every rank's segment before its first), the names can
-        # go and the mappings stay: nothing is left behind, however the run ends.
-        if self._level >= 1:  # (without avx2 the kernels fault: no call, the rows are skipped)
-            dc.inference_all_reduce(torch.zeros(16, dtype=torch.float32), dc.ReduceOp.SUM)
-        dist.barrier()
-        name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass  # no such segment (another DeepSpeed's naming): nothing of this run's to remove
+        release_deepspeed_segment(dc, rank, self._level >= 1, dist.barrier)
         return None
 
     def supports(self, dtype: str, op: str) -> Optional[str]:
@@ -290,6 +280,25 @@ class DeepSpeedBackend(_TorchDist):
 
     def call(self, buf: Any, op: str) -> None:
         self._dc.inference_all_reduce(buf, self._dc.ReduceOp.SUM)
+
+
+def release_deepspeed_segment(dc: Any, rank: int, can_call: bool, barrier: Any) -> None:
+    """DeepSpeed never removes its shm segments (69 MB per rank in /dev/shm, every run). Once
+    every rank has made a call (its op maps every rank's segment before its first), the names
+    can go and the mappings stay: nothing is left behind, however the run ends. ``can_call``:
+    the kernels can run here (without avx2 they fault: no call, and the rows are skipped);
+    ``barrier``: the ranks' barrier. After deepspeed.init_distributed, with MASTER_ADDR and
+    MASTER_PORT as DeepSpeed read them."""
+    import torch
+
+    if can_call:
+        dc.inference_all_reduce(torch.zeros(16, dtype=torch.float32), dc.ReduceOp.SUM)
+    barrier()
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except OSError:
+        pass  # no such segment (another DeepSpeed's naming): nothing of this run's to remove
 
 
 class NCCLBackend(_TorchDist):
