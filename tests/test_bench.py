@@ -89,7 +89,7 @@ def test_under_mpirun_four_ranks_two_per_node(tmp_path):
     assert "# world 4 ranks, 2 per node (2 nodes)" in out and "# total #wrong: 0" in out
     assert "gloo" in {r["backend"] for r in data["results"]}
     # the benchmark's own coordination goes through MPI under mpirun, never through gloo, whose
-    # tcp loop thread spins on a peer's early message and slows whatever is timed beside it
+    # tcp loop threads were measured busy beside the timed backends (docs/results.md)
     assert data["meta"]["control"] == "mpi"
 
 

@@ -62,11 +62,11 @@ class Control:
     the gloo group of torch.distributed whenever it is initialized, else a separate nvrar CPU
     communicator (a run without torch or MPI).
 
-    Not gloo where MPI is there: a rank that reached the next gloo collective first sends its
-    message, and a peer still timing another backend has gloo's tcp loop thread spin on that
-    readable socket (level-triggered epoll, about 20% of a core per rank here) until it joins,
-    which slowed every backend timed beside gloo (4 ranks on 2 cores: nvrar's back-to-back 4 KB
-    call 103 -> 497 us, MPI's 79 -> 163 us; docs/results.md)."""
+    Not gloo where MPI is there: with gloo as the control channel, every rank's gloo tcp loop
+    thread was measured busy (17-21% of a core, in epoll_wait returning at once) while the other
+    backends were timed, likely on a peer's early message for a collective this rank had not
+    reached yet, and every backend timed beside gloo slowed down (4 ranks on 2 cores: nvrar's
+    back-to-back 4 KB call 103 -> 497 us, MPI's 79 -> 163 us; docs/results.md)."""
 
     def __init__(self, comm: Optional[Communicator]) -> None:
         self.comm = comm
