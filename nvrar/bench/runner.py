@@ -74,6 +74,8 @@ class Control:
         self.kind = "mpi" if self.mpi is not None else ("gloo" if comm is None else "nvrar")
 
     def barrier(self) -> None:
+        """Also the barrier before each timed call of a cold measurement: under mpirun MPI's,
+        which releases the ranks within a microsecond or two of each other."""
         if self.mpi is not None:
             self.mpi.Barrier()
         elif self.comm is None:
@@ -99,12 +101,6 @@ class Control:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return t.numpy()
         return self.comm.all_reduce(values, "max")
-
-    def call_barrier(self) -> None:
-        """The barrier before each timed call of a cold measurement: MPI's where the ranks run
-        under mpirun (it releases the ranks within a microsecond or two of each other), else
-        the control group's."""
-        self.barrier()
 
     def gather(self, value: Any) -> List[Any]:
         if self.mpi is not None:
@@ -288,7 +284,7 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
             for timing in timings:
                 b.synchronize()
                 ctl.barrier()
-                barrier = ctl.call_barrier if timing == "cold" else None
+                barrier = ctl.barrier if timing == "cold" else None
                 times.setdefault((i, timing), []).append(
                     ctl.max(time_calls(b, buf, args.op, n, args.device, args.cuda_graph, barrier)))
     rows = []
