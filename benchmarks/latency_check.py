@@ -87,10 +87,7 @@ class Worker:
         self.ds = dc
         from nvrar.bench.backends import release_deepspeed_segment
 
-        import deepspeed.comm.comm as dcomm  # its backend object (cdb), for the kernels' level
-
-        level = int(getattr(getattr(dcomm, "cdb", None), "shm_vector_kernel_level", 0) or 0)
-        release_deepspeed_segment(dc, self.rank, level >= 1, self.world.Barrier)
+        release_deepspeed_segment(dc, self.rank, self.world.Barrier)
         return ""
 
     def call_fn(self, backend: str, n: int) -> Any:

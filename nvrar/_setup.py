@@ -183,6 +183,8 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
     hosts: List[str] = list(getattr(boot, "hosts", None) or [socket.gethostname()] * world)
     host_of = _host_indices(hosts)
     multi = len(set(host_of)) > 1
+    if multi:
+        st = st.across_hosts()
     # Creating the segment can fail on one rank alone (/dev/shm full, UCX missing): the verdicts
     # travel with the names, so that every rank raises at construction and none waits for another.
     ex = None
@@ -197,9 +199,8 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
                 rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
                 oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
                 jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
-                cma_piece_bytes=st.cma_piece_bytes,
-                # LL packets never cross hosts (NOTE [put-with-signal across hosts], csrc/cpu/host_link.h)
-                ll_max_bytes=0 if multi else st.ll_max_bytes, secret=secret, hd_min_bytes=st.hd_min(multi))
+                cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
+                hd_min_bytes=st.hd_min(multi))
             created["segment"] = ex.segment_name
             if multi:
                 dev = route_device(os.environ.get("MASTER_ADDR"))

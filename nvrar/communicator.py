@@ -142,8 +142,8 @@ class Communicator:
                     st = dataclasses.replace(st, cma_min_bytes=cma_min)
                     self._settings = st
                 self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret)
-                if hosts and len(set(hosts)) > 1:  # what setup_cpu built across hosts: no LL, its HD threshold
-                    self._settings = dataclasses.replace(st, ll_max_bytes=0, hd_min_bytes=st.hd_min(True))
+                if hosts and len(set(hosts)) > 1:  # what setup_cpu built the executor with
+                    self._settings = st.across_hosts()
             else:
                 self._ex, self._cuda_device = _setup.setup_gpu(boot, self._rank, self._world, G, st)
         except BaseException:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 from . import _C
@@ -198,6 +198,12 @@ class Settings:
         if self.hd_min_bytes is not None:
             return self.hd_min_bytes
         return HD_MIN_BYTES_HOSTS if self.device == "cpu" and across_hosts else HD_MIN_BYTES[self.device]
+
+    def across_hosts(self) -> "Settings":
+        """What a CPU executor whose ranks span hosts is built with: no LL packets (they never
+        cross hosts: NOTE [put-with-signal across hosts], csrc/cpu/host_link.h) and the
+        halving-doubling threshold across hosts."""
+        return replace(self, ll_max_bytes=0, hd_min_bytes=self.hd_min(True))
 
     def oneshot_max(self, ranks_per_node: int) -> int:
         """Largest message (bytes) that the auto policy sends through the one-shot variant."""

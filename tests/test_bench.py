@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -91,6 +92,39 @@ def test_under_mpirun_four_ranks_two_per_node(tmp_path):
     # the benchmark's own coordination goes through MPI under mpirun, never through gloo, whose
     # tcp loop threads were measured busy beside the timed backends (docs/results.md)
     assert data["meta"]["control"] == "mpi"
+
+
+CONTROL_DEADLINE = """
+import sys, time
+from mpi4py import MPI
+from nvrar.bench.runner import Control
+ctl = Control(None, timeout=1.0)
+assert ctl.kind == "mpi", ctl.kind
+if MPI.COMM_WORLD.Get_rank() == 1:
+    time.sleep(30)  # never reaches the barrier
+t0 = time.monotonic()
+try:
+    ctl.barrier()
+except SystemExit as exc:
+    print(f"raised after {time.monotonic() - t0:.2f} s: {exc}", flush=True)
+    MPI.COMM_WORLD.Abort(3)
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpirun")),
+                    reason="mpirun not installed")
+def test_control_barrier_under_mpirun_has_a_deadline(tmp_path):
+    """The benchmark's own MPI barrier waits at most --timeout for a rank that never comes, then
+    ends the rank with an error naming it (and mpirun the job): no hang."""
+    mpirun = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    t0 = time.monotonic()
+    res = subprocess.run([mpirun, "-n", "2", "--oversubscribe", sys.executable, "-c", CONTROL_DEADLINE],
+                         capture_output=True, text=True, timeout=60, env=clean_env(), cwd=tmp_path)
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "rank 0: the benchmark's own barrier (MPI) waited 1 s (--timeout)" in res.stdout, res.stdout + res.stderr
+    raised = float(res.stdout.split("raised after ")[1].split(" s")[0])
+    assert 1.0 <= raised < 3.0 and elapsed < 25, (raised, elapsed)
 
 
 def test_bad_arguments_are_rejected(tmp_path):

@@ -18,8 +18,8 @@ import numpy as np
 from .. import _arrays
 from ..bootstrap import mpi_launched
 
-__all__ = ["Backend", "NvrarBackend", "MPIBackend", "GlooBackend", "DeepSpeedBackend", "release_deepspeed_segment", "NCCLBackend", "NvshmemBackend",
-           "DTYPES"]
+__all__ = ["Backend", "NvrarBackend", "MPIBackend", "GlooBackend", "DeepSpeedBackend", "deepspeed_kernel_level",
+           "release_deepspeed_segment", "NCCLBackend", "NvshmemBackend", "DTYPES"]
 
 # name -> (numpy dtype or None, torch dtype name, element size)
 DTYPES = {
@@ -261,10 +261,8 @@ class DeepSpeedBackend(_TorchDist):
         if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
             return "DeepSpeed's shm op (deepspeed_shm_comm) did not build or load here; it would fall back to gloo"
         self._dc = dc
-        import deepspeed.comm.comm as dcomm  # its backend object (cdb) lives there once initialized
-
-        self._level = int(getattr(getattr(dcomm, "cdb", None), "shm_vector_kernel_level", 0) or 0)
-        release_deepspeed_segment(dc, rank, self._level >= 1, dist.barrier)
+        self._level = deepspeed_kernel_level()
+        release_deepspeed_segment(dc, rank, dist.barrier)
         return None
 
     def supports(self, dtype: str, op: str) -> Optional[str]:
@@ -282,16 +280,24 @@ class DeepSpeedBackend(_TorchDist):
         self._dc.inference_all_reduce(buf, self._dc.ReduceOp.SUM)
 
 
-def release_deepspeed_segment(dc: Any, rank: int, can_call: bool, barrier: Any) -> None:
+def deepspeed_kernel_level() -> int:
+    """The vector level of DeepSpeed's shm kernels once deepspeed.init_distributed ran (0: none
+    can run here, 1: float32 (avx2), 2: also 16-bit types (avx512bw))."""
+    import deepspeed.comm.comm as dcomm  # its backend object (cdb) lives there once initialized
+
+    return int(getattr(getattr(dcomm, "cdb", None), "shm_vector_kernel_level", 0) or 0)
+
+
+def release_deepspeed_segment(dc: Any, rank: int, barrier: Any) -> None:
     """DeepSpeed never removes its shm segments (69 MB per rank in /dev/shm, every run). Once
     every rank has made a call (its op maps every rank's segment before its first), the names
-    can go and the mappings stay: nothing is left behind, however the run ends. ``can_call``:
-    the kernels can run here (without avx2 they fault: no call, and the rows are skipped);
+    can go and the mappings stay: nothing is left behind, however the run ends. No call where
+    the kernels cannot run here (without avx2 they fault; the rows are skipped then);
     ``barrier``: the ranks' barrier. After deepspeed.init_distributed, with MASTER_ADDR and
     MASTER_PORT as DeepSpeed read them."""
     import torch
 
-    if can_call:
+    if deepspeed_kernel_level() >= 1:
         dc.inference_all_reduce(torch.zeros(16, dtype=torch.float32), dc.ReduceOp.SUM)
     barrier()
     name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"

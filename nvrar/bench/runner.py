@@ -68,14 +68,28 @@ class Control:
     reached yet, and every backend timed beside gloo slowed down (4 ranks on 2 cores: nvrar's
     back-to-back 4 KB call 103 -> 497 us, MPI's 79 -> 163 us; docs/results.md)."""
 
-    def __init__(self, comm: Optional[Communicator]) -> None:
+    def __init__(self, comm: Optional[Communicator], timeout: float) -> None:
         self.comm = comm
+        self.timeout = timeout  # every MPI wait of the channel (gloo's: its group's; nvrar's: its own)
         self.mpi = _mpi_world()
         self.kind = "mpi" if self.mpi is not None else ("gloo" if comm is None else "nvrar")
 
+    def _finish(self, req: Any, what: str) -> None:
+        """Polls an MPI request to completion within the deadline: a rank that never arrives
+        ends this one with an error (and mpirun then the job), not a hang."""
+        deadline = time.monotonic() + self.timeout
+        polls = 0
+        while not req.Test():
+            polls += 1
+            if polls % 1024 == 0 and time.monotonic() > deadline:
+                raise SystemExit(f"nvrar-bench: rank {self.mpi.Get_rank()}: the benchmark's own {what} (MPI) waited "
+                                 f"{self.timeout:.0f} s (--timeout) for the other ranks")
+
     def barrier(self) -> None:
+        """Also the barrier before each timed call of a cold measurement: under mpirun MPI's,
+        which releases the ranks within a microsecond or two of each other."""
         if self.mpi is not None:
-            self.mpi.Barrier()
+            self._finish(self.mpi.Ibarrier(), "barrier")
         elif self.comm is None:
             import torch.distributed as dist
 
@@ -89,7 +103,7 @@ class Control:
 
             mine = np.ascontiguousarray(values)
             out = np.empty_like(mine)
-            self.mpi.Allreduce(mine, out, op=MPI.MAX)
+            self._finish(self.mpi.Iallreduce(mine, out, op=MPI.MAX), "maximum")
             return out
         if self.comm is None:
             import torch
@@ -100,14 +114,9 @@ class Control:
             return t.numpy()
         return self.comm.all_reduce(values, "max")
 
-    def call_barrier(self) -> None:
-        """The barrier before each timed call of a cold measurement: MPI's where the ranks run
-        under mpirun (it releases the ranks within a microsecond or two of each other), else
-        the control group's."""
-        self.barrier()
-
     def gather(self, value: Any) -> List[Any]:
         if self.mpi is not None:
+            self.barrier()  # every rank is there (within the deadline): the gather cannot wait long
             return list(self.mpi.allgather(value))
         import torch.distributed as dist
 
@@ -288,7 +297,7 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
             for timing in timings:
                 b.synchronize()
                 ctl.barrier()
-                barrier = ctl.call_barrier if timing == "cold" else None
+                barrier = ctl.barrier if timing == "cold" else None
                 times.setdefault((i, timing), []).append(
                     ctl.max(time_calls(b, buf, args.op, n, args.device, args.cuda_graph, barrier)))
     rows = []
@@ -344,7 +353,7 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     ctl_comm = None if (torch_skip is None or _mpi_world() is not None) else Communicator(
         ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=1 << 16)
     comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap, device=args.device)
-    ctl = Control(ctl_comm)
+    ctl = Control(ctl_comm, args.timeout)
     rank, world = comm.rank, comm.world_size
     out = sys.stdout if rank == 0 else None
     if gpu:
