@@ -68,7 +68,7 @@ def attack(port: int, kind: int) -> dict:
             if out["accepted"]:
                 sock.sendall(_req(b"S", SESSION + b"/2/1", EVIL) + _req(b"D", b"", b"") + _req(b"D", b"", b""))
         elif kind == 2:
-            sock.sendall(os.urandom(64))
+            sock.sendall(b"\xff" + os.urandom(63))  # garbage whose operation byte is none of the store's
             out["reply"] = _read(sock)
         else:
             sock.sendall(struct.pack("!cII", b"S", 8, 16 << 20) + b"x" * 8 + b"\0" * 65536)  # a 16 MiB value
