@@ -100,6 +100,24 @@ def test_float16_rounding_matches_numpy_over_all_bit_patterns():
         assert np.array_equal(bits16(got), bits16(want)), np.flatnonzero(bits16(got) != bits16(want))[:10]
 
 
+def test_float16_three_source_sums_and_avg_round_like_numpy():
+    """Sums of three fp16 values (subnormal and overflowing results) and their avg over 2, 3 and 4
+    ranks (ties, in the subnormal range too), rounded once, against numpy."""
+    allv = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = allv[np.isfinite(allv)]
+    rng = np.random.default_rng(7)
+    a, b, c = finite.copy(), rng.permutation(finite), rng.permutation(finite) * np.float16(1 / 1024)
+    f = [x.astype(np.float32) for x in (a, b, c)]
+    with np.errstate(over="ignore"):
+        want = ((f[0] + f[1]) + f[2]).astype(np.float16)
+        # avg over 2 or 4 ranks halves or quarters exact sums: ties at every subnormal result
+        want_avg = {w: (((f[0] + f[1]) + f[2]) * (np.float32(1.0) / np.float32(w))).astype(np.float16)
+                    for w in (2, 3, 4)}
+    assert np.array_equal(bits16(reduce([a, b, c], F16, SUM)), bits16(want))
+    for w, wa in want_avg.items():
+        assert np.array_equal(bits16(reduce([a, b, c], F16, AVG, world=w)), bits16(wa)), w
+
+
 def test_float16_single_source_round_trip_is_exact():
     allv = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     got = reduce([allv], F16, SUM)
