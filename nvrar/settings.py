@@ -20,7 +20,7 @@ from . import _C
 __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
-           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "AGREED"]
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "CMA_MIN_BYTES_OVERSUBSCRIBED", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -85,22 +85,28 @@ GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 3
 # 32K 3.16/4.88/8.10 (NVRAR_CMA_MIN_BYTES=... nvrar-bench --algorithms two-shot --buffers ordinary).
 CMA_MIN_BYTES = 8 << 10
 
-# With more ranks on the host than cores, cross-memory transfers lose to staging through the
-# segment: 4 ranks on 2 cores, cold (a barrier before each call), 32K-512K, nvrar time / MPI_Allreduce
-# time 0.45-0.86 staged vs 0.79-1.23 by cross-memory access (two runs, alternated: nvrar-bench
-# --ranks 4 --timing cold --buffers ordinary, with NVRAR_CMA=0 and without). A process_vm_readv or
-# writev pins the peer's pages and needs it scheduled state-free, six of them per piece at G = 4;
-# a staged shard is plain loads from shared memory. So there, unless NVRAR_CMA_MIN_BYTES is set,
-# no shard goes by cross-memory transfer (cpu_cma_min_bytes).
+# With more ranks on the host than cores, small cross-memory transfers lose to staging through the
+# segment, large ones win. A process_vm_readv or writev is a system call that pins the peer's
+# pages, six of them per piece at G = 4; a staged shard is plain loads from shared memory, but it
+# is copied twice (stage-in, then the reducer's read; the result likewise) where a cross-memory
+# piece is fetched into a scratch buffer in L2, reduced there and pushed once. 4 ranks on 2 cores,
+# cold, nvrar time / MPI_Allreduce time, three alternated runs each (nvrar-bench --ranks 4 --timing
+# cold --buffers ordinary --backends nvrar,mpi, NVRAR_CMA_MIN_BYTES=... against unset = staged):
+# staged 0.64-0.70 at 1 MB, 0.67-0.77 at 2 MB, 0.70-0.73 at 4 MB, 0.71-0.86 at 8 MB; cross-memory
+# from 256 KB shards 0.61-0.67, 0.58-0.64, 0.54-0.66, 0.49-0.60; smaller shards by cross-memory
+# no better (32K-512K messages, an earlier host: 0.79-1.23 against 0.45-0.86 staged). So there,
+# unless NVRAR_CMA_MIN_BYTES is set, shards from this size go by cross-memory transfer, smaller
+# ones are staged (cpu_cma_min_bytes).
+CMA_MIN_BYTES_OVERSUBSCRIBED = 256 << 10
 
 
 def cpu_cma_min_bytes(st: "Settings", ranks_on_host: int, cores: int, explicit: bool) -> int:
     """The cross-memory threshold a CPU executor is built with: ``st.cma_min_bytes``, except with
-    more ranks on the host than cores and no explicit NVRAR_CMA_MIN_BYTES, where it is larger than
-    any shard (every shard is staged through the segment; see CMA_MIN_BYTES)."""
+    more ranks on the host than cores and no explicit NVRAR_CMA_MIN_BYTES, where it is
+    CMA_MIN_BYTES_OVERSUBSCRIBED (smaller shards are staged through the segment)."""
     if explicit or ranks_on_host <= cores:
         return st.cma_min_bytes
-    return st.max_bytes + 1
+    return max(st.cma_min_bytes, CMA_MIN_BYTES_OVERSUBSCRIBED)
 
 
 # Cross-memory transfers are split into pieces of this size (bytes), each fetched, reduced and

@@ -24,7 +24,7 @@ def bits16(a):
     return a.view(np.uint16)
 
 
-@pytest.mark.parametrize("nsrc", [1, 2, 3, 8])
+@pytest.mark.parametrize("nsrc", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 @pytest.mark.parametrize("count", [1, 63, 64, 65, 1000, 4099])
 def test_float32_sum_is_left_to_right(nsrc, count):
     rng = np.random.default_rng(count * 10 + nsrc)
@@ -34,6 +34,56 @@ def test_float32_sum_is_left_to_right(nsrc, count):
         want = (want + s).astype(np.float32)
     got = reduce(srcs, F32, SUM)
     assert got.tobytes() == want.tobytes()
+
+
+def _fold_reference(srcs, dtype, op, world):
+    """Left fold in fp32 (int32 wrapping), then the avg scale, then one rounding to the type."""
+    if dtype == "int32":
+        srcs = [s.numpy().astype(np.int64) for s in srcs]
+        acc = srcs[0]
+        for s in srcs[1:]:
+            acc = {"sum": acc + s, "avg": acc + s, "max": np.maximum(acc, s), "min": np.minimum(acc, s)}[op]
+            acc = ((acc + (1 << 31)) % (1 << 32)) - (1 << 31)
+        if op == "avg":
+            acc = np.trunc(acc / world)  # C integer division truncates toward zero
+        return torch.from_numpy(acc.astype(np.int32))
+    t = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    acc = srcs[0].float()
+    for s in srcs[1:]:
+        acc = {"sum": acc + s.float(), "avg": acc + s.float(), "max": torch.maximum(acc, s.float()),
+               "min": torch.minimum(acc, s.float())}[op]
+    if op == "avg":
+        acc = acc * torch.tensor(np.float32(1.0) / np.float32(world))
+    return acc.to(t)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int32"])
+@pytest.mark.parametrize("op", ["sum", "max", "min", "avg"])
+def test_every_source_count_dtype_and_op_against_a_left_fold(dtype, op):
+    """The host kernel has a path per source count (1-8, unrolled) and a generic one (more): each,
+    with a tail, several destinations and a destination that is also a source, gives the left
+    fold's bits (finite inputs; NaN handling has tests of its own)."""
+    rng = np.random.default_rng(hash((dtype, op)) % (1 << 32))
+    for nsrc in range(1, 11):
+        for count in (5, 64, 64 * 3 + 17):
+            if dtype == "int32":
+                srcs = [torch.from_numpy(rng.integers(-(1 << 31), 1 << 31, count, dtype=np.int64).astype(np.int32))
+                        for _ in range(nsrc)]
+            else:
+                t = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+                srcs = [torch.from_numpy((rng.standard_normal(count) * 10.0).astype(np.float32)).to(t)
+                        for _ in range(nsrc)]
+            want = _fold_reference(srcs, dtype, op, world=7)
+            view = torch.int32 if dtype in ("float32", "int32") else torch.int16
+            arrs = [s.view(view).numpy().copy() for s in srcs]
+            outs = [np.empty_like(arrs[0]) for _ in range(2)]
+            code = _C.DTYPE_CODES[dtype]
+            # the last source doubles as the third destination (in-place, as a reduce-scatter's own shard)
+            _C.reduce_into([o.ctypes.data for o in outs] + [arrs[-1].ctypes.data], [a.ctypes.data for a in arrs],
+                           count, code, _C.OP_CODES[op], 7)
+            w = want.view(view).numpy()
+            for got in outs + [arrs[-1]]:
+                assert np.array_equal(got, w), (dtype, op, nsrc, count)
 
 
 def test_float16_rounding_matches_numpy_over_all_bit_patterns():
@@ -48,6 +98,24 @@ def test_float16_rounding_matches_numpy_over_all_bit_patterns():
             want = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
         got = reduce([a, b], F16, SUM)
         assert np.array_equal(bits16(got), bits16(want)), np.flatnonzero(bits16(got) != bits16(want))[:10]
+
+
+def test_float16_three_source_sums_and_avg_round_like_numpy():
+    """Sums of three fp16 values (subnormal and overflowing results) and their avg over 2, 3 and 4
+    ranks (ties, in the subnormal range too), rounded once, against numpy."""
+    allv = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = allv[np.isfinite(allv)]
+    rng = np.random.default_rng(7)
+    a, b, c = finite.copy(), rng.permutation(finite), rng.permutation(finite) * np.float16(1 / 1024)
+    f = [x.astype(np.float32) for x in (a, b, c)]
+    with np.errstate(over="ignore"):
+        want = ((f[0] + f[1]) + f[2]).astype(np.float16)
+        # avg over 2 or 4 ranks halves or quarters exact sums: ties at every subnormal result
+        want_avg = {w: (((f[0] + f[1]) + f[2]) * (np.float32(1.0) / np.float32(w))).astype(np.float16)
+                    for w in (2, 3, 4)}
+    assert np.array_equal(bits16(reduce([a, b, c], F16, SUM)), bits16(want))
+    for w, wa in want_avg.items():
+        assert np.array_equal(bits16(reduce([a, b, c], F16, AVG, world=w)), bits16(wa)), w
 
 
 def test_float16_single_source_round_trip_is_exact():

@@ -230,11 +230,13 @@ def test_nvrar_algo_variable_is_a_deprecated_alias(monkeypatch):
 
 
 def test_cross_memory_threshold_by_oversubscription(monkeypatch):
-    """More ranks than cores: no shard goes by cross-memory transfer unless NVRAR_CMA_MIN_BYTES
-    says otherwise; with enough cores, or set explicitly, the threshold is the setting's."""
+    """More ranks than cores: only large shards go by cross-memory transfer unless
+    NVRAR_CMA_MIN_BYTES says otherwise; with enough cores, or set explicitly, the threshold is the
+    setting's."""
     st = env.resolve("cpu")
     assert settings.cpu_cma_min_bytes(st, 2, 2, False) == st.cma_min_bytes == settings.CMA_MIN_BYTES
-    assert settings.cpu_cma_min_bytes(st, 4, 2, False) > st.max_bytes  # larger than any shard
+    assert settings.cpu_cma_min_bytes(st, 4, 2, False) == settings.CMA_MIN_BYTES_OVERSUBSCRIBED
+    assert settings.CMA_MIN_BYTES < settings.CMA_MIN_BYTES_OVERSUBSCRIBED < st.max_bytes
     assert settings.cpu_cma_min_bytes(st, 4, 2, True) == st.cma_min_bytes
     monkeypatch.setenv("NVRAR_CMA_MIN_BYTES", "64")
     assert settings.cpu_cma_min_bytes(env.resolve("cpu"), 8, 2, True) == 64

@@ -22,6 +22,42 @@ namespace {
 // Host vector tile: 64 elements per step, a length the compiler vectorizes for every ISA.
 constexpr int kHostVec = 64;
 
+// NSRC sources known at compile time: the element loop holds one accumulator per element and
+// the source loop is unrolled, so the compiler keeps a tile in vector registers. The generic tile
+// loop of reduce_slice (a runtime source count) keeps its accumulators on the stack and, for some
+// source counts, falls back to scalar adds: 3.6x slower on a 128 KB 4-source reduction in L2
+// (7.8 vs 28 us, x86-64-v4). The arithmetic is the same: per element, src[0] op src[1] op ...
+// left to right in acc_t<T>, then the scale, one rounding, the same bits to every destination; and
+// as there, a tile is read completely before any of it is stored (a destination may be a source).
+template <int NSRC, typename T, typename Op>
+NVRAR_KERNEL void reduce_fixed(T* const* dst, int ndst, const T* const* src, size_t n, Scale sc) {
+  const T* s[NSRC];
+  for (int k = 0; k < NSRC; ++k) s[k] = src[k];
+  const Op op{};
+  const bool scale = sc.active();
+  for (size_t off = 0; off < n; off += kHostVec) {
+    const size_t m = n - off < static_cast<size_t>(kHostVec) ? n - off : static_cast<size_t>(kHostVec);
+    T out[kHostVec];
+    if (m == static_cast<size_t>(kHostVec)) {
+      for (int w = 0; w < kHostVec; ++w) {
+        acc_t<T> a = load_acc(s[0][off + w]);
+        for (int k = 1; k < NSRC; ++k) a = op(a, load_acc(s[k][off + w]));
+        if (scale) a = sc.apply(a);
+        out[w] = store_acc<T>(a);
+      }
+      for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, sizeof(out));
+    } else {
+      for (size_t w = 0; w < m; ++w) {
+        acc_t<T> a = load_acc(s[0][off + w]);
+        for (int k = 1; k < NSRC; ++k) a = op(a, load_acc(s[k][off + w]));
+        if (scale) a = sc.apply(a);
+        out[w] = store_acc<T>(a);
+      }
+      for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, m * sizeof(T));
+    }
+  }
+}
+
 template <typename T, typename Op>
 NVRAR_KERNEL void reduce_impl(void* const* dst, int ndst, const void* const* src, int nsrc, size_t n, Scale sc) {
   // One source, no scale, a type stored as it is accumulated (fp32, int32): the element
@@ -32,8 +68,19 @@ NVRAR_KERNEL void reduce_impl(void* const* dst, int ndst, const void* const* src
       if (dst[d] != src[0]) std::memcpy(dst[d], src[0], n * sizeof(T));
     return;
   }
-  reduce_slice<kHostVec>(SoloGroup{}, reinterpret_cast<T* const*>(dst), ndst, reinterpret_cast<const T* const*>(src),
-                         nsrc, n, Op{}, sc);
+  T* const* d = reinterpret_cast<T* const*>(dst);
+  const T* const* s = reinterpret_cast<const T* const*>(src);
+  switch (nsrc) {
+    case 1: return reduce_fixed<1, T, Op>(d, ndst, s, n, sc);
+    case 2: return reduce_fixed<2, T, Op>(d, ndst, s, n, sc);
+    case 3: return reduce_fixed<3, T, Op>(d, ndst, s, n, sc);
+    case 4: return reduce_fixed<4, T, Op>(d, ndst, s, n, sc);
+    case 5: return reduce_fixed<5, T, Op>(d, ndst, s, n, sc);
+    case 6: return reduce_fixed<6, T, Op>(d, ndst, s, n, sc);
+    case 7: return reduce_fixed<7, T, Op>(d, ndst, s, n, sc);
+    case 8: return reduce_fixed<8, T, Op>(d, ndst, s, n, sc);
+    default: reduce_slice<kHostVec>(SoloGroup{}, d, ndst, s, nsrc, n, Op{}, sc);
+  }
 }
 
 #define NVRAR_DEFINE_REDUCE(NAME, T, OP)                                                                   \
