@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
+import time
 import warnings
 
 import torch
@@ -283,36 +284,53 @@ def other_collectives(group, reference) -> dict:
     # last Python reference goes while gloo's worker thread still holds it is freed by that
     # thread, which then needs the GIL while it holds gloo's queue lock; the next collective of
     # the main thread waits for that lock (a torch deadlock, seen here with all_to_all_single's
-    # input: ranks timed out in the following all_gather_object after 120 s).
+    # input: ranks timed out in the following all_gather_object after 120 s). Tensors that torch
+    # creates inside a collective (all_gather_object's) cannot be kept so, and the same timeout
+    # came back once (a CI run of 2026-12-02, both backend tests, in all_gather_object): so after
+    # every collective the main thread also lets go of the GIL for a moment (settle), in which
+    # gloo's worker thread finishes releasing what it held before the next collective needs its
+    # queue lock.
     keep: list = []
+
+    def settle() -> None:
+        time.sleep(0.005)
+
     for name, pg in (("mine", group), ("ref", reference)):
         r = {}
         t = torch.arange(4.0) + 10 * rank
         lst = [torch.empty(4) for _ in range(world)]
         dist.all_gather(lst, t, group=pg)
+        settle()
         r["all_gather"] = torch.stack(lst)
         big = torch.empty(4 * world)
         dist.all_gather_into_tensor(big, t, group=pg)
+        settle()
         r["all_gather_into_tensor"] = big
         rs = torch.empty(2)
         rs_in = torch.arange(2.0 * world) * (rank + 1)
         keep.append(rs_in)
         dist.reduce_scatter_tensor(rs, rs_in, group=pg)
+        settle()
         r["reduce_scatter_tensor"] = rs
         b = torch.full((3,), float(rank))
         dist.broadcast(b, src=dist.get_global_rank(pg, world - 1), group=pg)
+        settle()
         r["broadcast"] = b
         dist.barrier(group=pg)
+        settle()
         a2a = torch.empty(world)
         a2a_in = torch.arange(float(world)) + 100 * rank
         keep.append(a2a_in)
         dist.all_to_all_single(a2a, a2a_in, group=pg)
+        settle()
         r["all_to_all_single"] = a2a
         red = torch.full((2,), float(rank + 1))
         dist.reduce(red, dst=dist.get_global_rank(pg, 0), group=pg)
+        settle()
         r["reduce_dst"] = red if rank == 0 else torch.zeros(0)
         objs = [None] * world
         dist.all_gather_object(objs, {"rank": rank}, group=pg)
+        settle()
         r["all_gather_object"] = torch.tensor([o["rank"] for o in objs])
         # send/recv in a ring
         nxt, prv = dist.get_global_rank(pg, (rank + 1) % world), dist.get_global_rank(pg, (rank - 1) % world)
@@ -321,10 +339,14 @@ def other_collectives(group, reference) -> dict:
         keep.append(mine)
         if rank % 2 == 0:
             dist.send(mine, nxt, group=pg)
+            settle()
             dist.recv(got, prv, group=pg)
+            settle()
         else:
             dist.recv(got, prv, group=pg)
+            settle()
             dist.send(mine, nxt, group=pg)
+            settle()
         r["send_recv"] = got
         out[name] = r
     dist.barrier(group=reference)  # (every collective above has completed on every rank)
