@@ -30,31 +30,28 @@ constexpr int kHostVec = 64;
 // left to right in acc_t<T>, then the scale, one rounding, the same bits to every destination; and
 // as there, a tile is read completely before any of it is stored (a destination may be a source).
 template <int NSRC, typename T, typename Op>
+NVRAR_KERNEL T fold_element(const T* const (&s)[NSRC], size_t i, Op op, bool scale, Scale sc) {
+  acc_t<T> a = load_acc(s[0][i]);
+  for (int k = 1; k < NSRC; ++k) a = op(a, load_acc(s[k][i]));
+  if (scale) a = sc.apply(a);
+  return store_acc<T>(a);
+}
+
+template <int NSRC, typename T, typename Op>
 NVRAR_KERNEL void reduce_fixed(T* const* dst, int ndst, const T* const* src, size_t n, Scale sc) {
   const T* s[NSRC];
   for (int k = 0; k < NSRC; ++k) s[k] = src[k];
   const Op op{};
   const bool scale = sc.active();
-  for (size_t off = 0; off < n; off += kHostVec) {
-    const size_t m = n - off < static_cast<size_t>(kHostVec) ? n - off : static_cast<size_t>(kHostVec);
-    T out[kHostVec];
-    if (m == static_cast<size_t>(kHostVec)) {
-      for (int w = 0; w < kHostVec; ++w) {
-        acc_t<T> a = load_acc(s[0][off + w]);
-        for (int k = 1; k < NSRC; ++k) a = op(a, load_acc(s[k][off + w]));
-        if (scale) a = sc.apply(a);
-        out[w] = store_acc<T>(a);
-      }
-      for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, sizeof(out));
-    } else {
-      for (size_t w = 0; w < m; ++w) {
-        acc_t<T> a = load_acc(s[0][off + w]);
-        for (int k = 1; k < NSRC; ++k) a = op(a, load_acc(s[k][off + w]));
-        if (scale) a = sc.apply(a);
-        out[w] = store_acc<T>(a);
-      }
-      for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, m * sizeof(T));
-    }
+  T out[kHostVec];
+  size_t off = 0;
+  for (; off + kHostVec <= n; off += kHostVec) {  // whole tiles: a constant trip count
+    for (int w = 0; w < kHostVec; ++w) out[w] = fold_element<NSRC>(s, off + w, op, scale, sc);
+    for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, sizeof(out));
+  }
+  if (off < n) {  // the tail
+    for (size_t w = 0; w < n - off; ++w) out[w] = fold_element<NSRC>(s, off + w, op, scale, sc);
+    for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, (n - off) * sizeof(T));
   }
 }
 
