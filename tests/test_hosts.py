@@ -321,6 +321,21 @@ def test_without_ucx_names_the_extra():
     assert left == [] and shm == ["", ""]
 
 
+def test_no_transport_between_hosts_names_the_ucx_settings():
+    """With UCX restricted to shared memory (UCX_TLS=shm,self) no transport reaches the other
+    host: every rank raises NvrarError at set-up naming the cause and the UCX variables to check,
+    at once (no rank waits for the wire-up deadline), and leaves nothing in /dev/shm."""
+    t0 = time.monotonic()
+    results, shm, left = run_hosts(2, 1, "hosts_matrix", {"G": 1}, env={"UCX_TLS": "shm,self"}, timeout=120)
+    for res in results:
+        assert res.report is not None and "exception" in res.report, describe(results)
+        msg = res.report["exception"]["message"]
+        assert res.report["exception"]["type"] == "NvrarError", msg
+        assert "no UCX transport reaches rank" in msg and "UCX_TLS (shm,self)" in msg, msg
+    assert time.monotonic() - t0 < 60
+    assert left == [] and shm == ["", ""]
+
+
 def test_torch_backend_dtensor_across_hosts():
     """init_process_group("nvrar") on 2 hosts x 2 ranks: the world group is served by nvrar (not
     the fallback), and DTensor tensor parallelism gives what gloo gives, bitwise."""
