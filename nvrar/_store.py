@@ -183,6 +183,13 @@ def _recv_request(sock: socket.socket, max_key: int, max_value: int) -> Tuple[by
     return op, body[:nkey], body[nkey:]
 
 
+def _peer_text(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "an address that is gone"
+
+
 def _reply(sock: socket.socket, status: bytes, payload: bytes = b"") -> None:
     sock.sendall(_REP.pack(status, len(payload)) + payload)  # one send: no Nagle stall
 
@@ -295,6 +302,8 @@ class StoreServer:
             return None
         rank, nonce_c = _HELLO.unpack(value)
         if not 0 <= rank < self._expected:
+            self._note_refused(f"a process at {_peer_text(conn)} said it is rank {rank}, outside 0..{self._expected - 1} "
+                               "(launched with another WORLD_SIZE?)")
             raise _Malformed(f"hello from rank {rank}, outside 0..{self._expected - 1}")
         with self._cond:
             if rank in self._connected:
@@ -306,9 +315,18 @@ class StoreServer:
         else:
             nonce_s = os.urandom(_NONCE)
             _reply(conn, _OK, _MODE_SECRET + nonce_s + _mac(self._key, b"server", session, rank, nonce_c, nonce_s))
-            op, _, proof = _recv_request(conn, 0, 64)
+            try:
+                op, _, proof = _recv_request(conn, 0, 64)
+            except (OSError, ConnectionError, _Malformed):
+                # A client checks my proof first: with another secret it leaves without its own.
+                self._note_refused(f"a process at {_peer_text(conn)} saying it is rank {rank} left during "
+                                   "authentication (its NVRAR_SESSION_SECRET differs from rank 0's?)")
+                raise
             if op != _OP_PROOF or not hmac.compare_digest(proof, _mac(self._key, b"client", session, rank, nonce_c,
                                                                       nonce_s)):
+                # Rank 0 names it too, should it time out waiting for this rank.
+                self._note_refused(f"a process at {_peer_text(conn)} saying it is rank {rank} failed authentication "
+                                   "(its NVRAR_SESSION_SECRET differs from rank 0's)")
                 raise _Malformed("authentication failed: this rank's NVRAR_SESSION_SECRET differs from rank 0's")
             _reply(conn, _OK)
         with self._cond:
@@ -316,6 +334,11 @@ class StoreServer:
                 raise _Malformed(f"rank {rank} is already connected (two processes started with RANK={rank}?)")
             self._connected.add(rank)
         return rank
+
+    def _note_refused(self, why: str) -> None:
+        with self._cond:
+            if len(self.refused) < 4:
+                self.refused.append(why)
 
     def _disconnected(self, rank: Optional[int]) -> None:
         with self._cond:

@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -320,6 +321,21 @@ def test_without_ucx_names_the_extra():
     assert left == [] and shm == ["", ""]
 
 
+def test_no_transport_between_hosts_names_the_ucx_settings():
+    """With UCX restricted to shared memory (UCX_TLS=shm,self) no transport reaches the other
+    host: every rank raises NvrarError at set-up naming the cause and the UCX variables to check,
+    at once (no rank waits for the wire-up deadline), and leaves nothing in /dev/shm."""
+    t0 = time.monotonic()
+    results, shm, left = run_hosts(2, 1, "hosts_matrix", {"G": 1}, env={"UCX_TLS": "shm,self"}, timeout=120)
+    for res in results:
+        assert res.report is not None and "exception" in res.report, describe(results)
+        msg = res.report["exception"]["message"]
+        assert res.report["exception"]["type"] == "NvrarError", msg
+        assert "no UCX transport reaches rank" in msg and "UCX_TLS (shm,self)" in msg, msg
+    assert time.monotonic() - t0 < 60
+    assert left == [] and shm == ["", ""]
+
+
 def test_torch_backend_dtensor_across_hosts():
     """init_process_group("nvrar") on 2 hosts x 2 ranks: the world group is served by nvrar (not
     the fallback), and DTensor tensor parallelism gives what gloo gives, bitwise."""
@@ -363,3 +379,25 @@ def test_nvrar_bench_across_hosts():
         assert {r["backend"] for r in data["results"]} == {"nvrar"}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_hosts_calls_benchmark_counts_every_piece():
+    """benchmarks/hosts_calls.py (the per-call analysis of docs/results.md) on 2 hosts x 1 rank:
+    every rank's data checked, and every timed call's put from the other host accounted for as
+    pieces (NOTE [pieces]: 128 KB goes as three messages of at most 64 KB less 1 KB each)."""
+    out = os.path.join(tempfile.mkdtemp(prefix="nvrar-hosts-calls-"), "calls.json")
+    try:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hosts_calls.py"), "--hosts", "2",
+                            "--bytes", "128K", "--iters", "30", "--warmup", "3", "--port", str(free_port()),
+                            "--json", out], capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        with open(out) as f:
+            recs = json.load(f)
+    finally:
+        shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+    assert [x["rank"] for x in recs] == [0, 1]
+    for x in recs:
+        assert x["checked"] and x["world"] == 2 and x["bytes"] == 128 << 10
+        assert x["on_arrival"] + x["in_zone"] == 3 * 30, x
+        assert 0 < x["median_us"] and 0 < x["phases_us_per_call"]["call"] and x["phases_us_per_call"]["remote"] > 0
+    assert "rank 1: median" in r.stdout

@@ -107,6 +107,19 @@ def test_secret_mismatch_is_a_clear_error(ranks_env, needle):
     print(named[0]["message"])
 
 
+def test_rank_0_names_the_rank_whose_secret_differs():
+    """Rank 1 raises at once (authentication failed); rank 0, left waiting for it, says at its
+    deadline why rank 1 never arrived instead of only that it did not."""
+    res = launch(2, "store", {"timeout": 3}, per_rank_env=[{"NVRAR_SESSION_SECRET": SECRET},
+                                                          {"NVRAR_SESSION_SECRET": SECRET + "x"}], timeout=60)
+    by_rank = {r.rank: r.report["exception"] for r in res if r.report and "exception" in r.report}
+    assert set(by_rank) == {0, 1}, describe(res)
+    assert "differs" in by_rank[1]["message"], by_rank[1]
+    msg = by_rank[0]["message"]
+    assert "rank 1 never arrived" in msg and "saying it is rank 1 left during authentication" in msg, msg
+    assert "NVRAR_SESSION_SECRET differs" in msg, msg
+
+
 # -- the protocol, in process (real sockets, this user) ----------------------------------------
 def _server(world: int = 2, secret=None, timeout: float = 20.0):
     port = free_port()

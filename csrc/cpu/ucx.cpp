@@ -236,7 +236,17 @@ class UcxLink final : public HostLink {
       ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;  // a dead host or a broken link is reported, not hung on
       ep.err_handler.cb = &UcxLink::on_error;
       ep.err_handler.arg = &p;
-      check(a_.ucp_ep_create(worker_, &ep, &p.ep), "making an endpoint to rank " + std::to_string(r));
+      const ucs_status_t st = a_.ucp_ep_create(worker_, &ep, &p.ep);
+      if (st == UCS_ERR_UNREACHABLE) {
+        const char* tls = getenv("UCX_TLS");
+        const char* devs = getenv("UCX_NET_DEVICES");
+        NVRAR_CHECK(false, "nvrar: rank ", rank_, ": no UCX transport reaches rank ", r,
+                    "'s host (UCX: ", a_.ucs_status_string(st), "): across hosts nvrar needs a network transport "
+                    "with peer failure handling (tcp, or an RDMA one); check UCX_TLS (",
+                    tls != nullptr ? tls : "unset", ") and UCX_NET_DEVICES (", devs != nullptr ? devs : "unset",
+                    "; each rank's must name a device that reaches the other hosts)");
+      }
+      check(st, "making an endpoint to rank " + std::to_string(r));
     }
   }
 
