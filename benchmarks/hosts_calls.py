@@ -12,7 +12,8 @@ follows the sum of the ranks' CPU times over the cores), the executor's phase ti
 arrival against those that landed in a zone first (NOTE [landings], csrc/protocol/round.h).
 
 --sysctl KEY=VALUE (repeatable) is set inside every host's network namespace before the ranks
-start (e.g. net.ipv4.tcp_autocorking=0); NVRAR_* and UCX_* variables of this environment reach
+start (e.g. net.ipv4.tcp_autocorking=0); --pin 0,0,1,1 runs rank r on CPU Cr only (which ranks
+share a core decides much of a call's time where the ranks outnumber the cores); NVRAR_* and UCX_* variables of this environment reach
 the ranks, and so does PYTHONPATH (an old build beside the new: a `pip install --target DIR`).
 Used for the analysis under "Across hosts" in docs/results.md. --json writes the per-rank records.
 """
@@ -33,11 +34,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, HERE)
 
 
-def rank_main(nbytes: int, iters: int, warmup: int, out: str) -> None:
+def rank_main(nbytes: int, iters: int, warmup: int, out: str, cpu: int) -> None:
     """One rank: the calls, then its record in `out`."""
     import numpy as np
 
     import nvrar
+
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
 
     comm = nvrar.Communicator()
     ex = comm._ex
@@ -90,7 +94,8 @@ def run(args: argparse.Namespace) -> List[dict]:
                            MASTER_ADDR=hosts.addr(0), MASTER_PORT=str(args.port), OMP_NUM_THREADS="1",
                            NVRAR_SESSION_SECRET=args.secret)
                 argv = [sys.executable, os.path.abspath(__file__), "--rank", "--bytes", str(args.bytes), "--iters",
-                        str(args.iters), "--warmup", str(args.warmup), "--out", os.path.join(tmp, f"rank{r}.json")]
+                        str(args.iters), "--warmup", str(args.warmup), "--out", os.path.join(tmp, f"rank{r}.json"),
+                        "--cpu", str(args.pin[r] if args.pin else -1)]
                 ranks.append({"argv": argv, "env": env, "log": os.path.join(tmp, f"rank{r}.log")})
             hosts.start(h, ranks)
         codes = hosts.wait(args.timeout)
@@ -116,22 +121,33 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=20, help="untimed calls first (default 20)")
     p.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                    help="set in every host's network namespace before the ranks start (repeatable)")
+    p.add_argument("--pin", default="", metavar="C0,C1,...",
+                   help="rank r runs on CPU Cr only (sched_setaffinity; default: where the kernel puts it)")
     p.add_argument("--port", type=int, default=29561, help="MASTER_PORT on host 0 (default 29561)")
     p.add_argument("--secret", default="", help="NVRAR_SESSION_SECRET for the ranks (default: a fresh random one)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)")
     p.add_argument("--json", default="", help="write the per-rank records here")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--cpu", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank:
-        rank_main(args.bytes, args.iters, args.warmup, args.out)
+        rank_main(args.bytes, args.iters, args.warmup, args.out, args.cpu)
         return
     if args.hosts < 1 or args.ranks_per_host < 1 or args.iters < 1 or args.warmup < 0 or args.bytes < 4:
         p.error("--hosts, --ranks-per-host and --iters must be >= 1, --warmup >= 0, --bytes >= 4")
+    try:
+        args.pin = [int(c) for c in args.pin.split(",")] if args.pin else []
+    except ValueError:
+        p.error(f"--pin takes one CPU number per rank, comma-separated; got {args.pin!r}")
+    if args.pin and (len(args.pin) != args.hosts * args.ranks_per_host
+                     or not set(args.pin) <= os.sched_getaffinity(0)):
+        p.error(f"--pin needs {args.hosts * args.ranks_per_host} CPUs, each one of {sorted(os.sched_getaffinity(0))}")
     args.secret = args.secret or os.urandom(16).hex()
     recs = run(args)
     print(f"# {args.hosts} hosts x {args.ranks_per_host}, {args.bytes} bytes float32 sum, {args.iters} back-to-back calls"
-          + (f", sysctl {' '.join(args.sysctl)}" if args.sysctl else ""))
+          + (f", sysctl {' '.join(args.sysctl)}" if args.sysctl else "")
+          + (f", rank r on CPU {','.join(map(str, args.pin))}[r]" if args.pin else ""))
     for r in recs:
         ph = " ".join(f"{k} {v:.1f}" for k, v in r["phases_us_per_call"].items())
         print(f"rank {r['rank']}: median {r['median_us']:.0f} us, p90 {r['p90_us']:.0f} us, CPU {r['cpu_us_per_call']:.0f} "

@@ -147,6 +147,19 @@ def task_hosts_torch(args: dict) -> dict:
     dist.all_reduce(t)
     res["value"] = bool(torch.equal(t, torch.arange(5000.0) * (world * (world + 1) // 2)))
     res["stats"] = nt.stats()
+    if world == 4:  # 2 hosts x 2 ranks: a (dp, tp) mesh, tp inside a host and dp across hosts
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        ref = {rs: dist.new_group(list(rs), backend="gloo") for rs in ((0, 1), (2, 3), (0, 2), (1, 3))}
+        res["subgroups"] = {}
+        for dim in ("dp", "tp"):
+            g = mesh2.get_group(dim)
+            ranks = tuple(dist.get_process_group_ranks(g))
+            x = torch.randn(70001, generator=torch.Generator().manual_seed(1000 + dist.get_rank())) * 10
+            y = x.clone()
+            dist.all_reduce(x, group=g)
+            dist.all_reduce(y, group=ref[ranks])
+            res["subgroups"][dim] = {"ranks": list(ranks), "equal_gloo": bool(torch.equal(x, y)),
+                                     "nonzero": bool(torch.count_nonzero(x) > 0), "stats": nt.stats(g)}
     nt.reset()
     _torch_tasks.finish()
     return res

@@ -338,7 +338,8 @@ def test_no_transport_between_hosts_names_the_ucx_settings():
 
 def test_torch_backend_dtensor_across_hosts():
     """init_process_group("nvrar") on 2 hosts x 2 ranks: the world group is served by nvrar (not
-    the fallback), and DTensor tensor parallelism gives what gloo gives, bitwise."""
+    the fallback), and DTensor tensor parallelism gives what gloo gives, bitwise; so do the groups
+    of a (dp, tp) mesh, dp across the hosts and tp inside each."""
     pytest.importorskip("torch")
     results, shm, left = run_hosts(2, 2, "hosts_torch", {}, env={"GLOO_SOCKET_IFNAME": "eth0"}, timeout=400)
     reports = assert_all_ok(results)
@@ -346,6 +347,14 @@ def test_torch_backend_dtensor_across_hosts():
         d = rep["dtensor"]
         assert d["eager_delta"] == 3 and d["eager_equal_gloo"] and d["eager_equal_unsharded"] and d["nonzero"], d
         assert rep["value"] and rep["stats"]["nvrar"] >= 4 and rep["stats"]["native"] == 0, rep
+        # The subgroups of a (dp, tp) mesh: dp pairs across the hosts, tp pairs inside one; each
+        # served by nvrar (none falls back) and equal to gloo's all-reduce over the same ranks.
+        r = rep["rank"]
+        sub = rep["subgroups"]
+        assert sub["dp"]["ranks"] == [r % 2, r % 2 + 2] and sub["tp"]["ranks"] == [r - r % 2, r - r % 2 + 1], sub
+        for dim in ("dp", "tp"):
+            assert sub[dim]["equal_gloo"] and sub[dim]["nonzero"], (dim, sub)
+            assert sub[dim]["stats"]["nvrar"] == 1 and sub[dim]["stats"]["native"] == 0, (dim, sub)
     assert shm == ["", ""] and left == []
 
 
