@@ -13,8 +13,9 @@ arrival against those that landed in a zone first (NOTE [landings], csrc/protoco
 
 --sysctl KEY=VALUE (repeatable) is set inside every host's network namespace before the ranks
 start (e.g. net.ipv4.tcp_autocorking=0); --pin 0,0,1,1 runs rank r on CPU Cr only (which ranks
-share a core decides much of a call's time where the ranks outnumber the cores); NVRAR_* and UCX_* variables of this environment reach
-the ranks, and so does PYTHONPATH (an old build beside the new: a `pip install --target DIR`).
+share a core decides much of a call's time where the ranks outnumber the cores). NVRAR_* and
+UCX_* variables of this environment reach the ranks, and so does PYTHONPATH (an old build beside
+the new: a `pip install --target DIR`), as in hosts_bench.py.
 Used for the analysis under "Across hosts" in docs/results.md. --json writes the per-rank records.
 """
 
@@ -75,13 +76,15 @@ def rank_main(nbytes: int, iters: int, warmup: int, out: str, cpu: int) -> None:
 
 def run(args: argparse.Namespace) -> List[dict]:
     import _netns
+    from hosts_bench import passed_env
 
     why = _netns.why_not()
     if why is not None:
         raise SystemExit(f"hosts_calls: {why}")
     n, G = args.hosts, args.ranks_per_host
     tmp = tempfile.mkdtemp(prefix="nvrar-hosts-calls-")
-    passed = {k: v for k, v in os.environ.items() if k.startswith(("NVRAR_", "UCX_")) or k in ("PATH", "PYTHONPATH")}
+    passed = dict(kv.split("=", 1) for kv in passed_env())
+    passed["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
     with _netns.Hosts(n, tmp) as hosts:
         for ns in hosts.ns:
             for kv in args.sysctl:

@@ -261,9 +261,9 @@ class StoreServer:
                 refusal = (f"the rendezvous store accepts only processes of uid {self._uid} on this host unless "
                            "every rank has the same NVRAR_SESSION_SECRET; this connection comes from another host "
                            f"or network namespace ({peer[0]})")
+            if refusal:
+                self._note_refused(refusal)
             with self._cond:
-                if refusal and len(self.refused) < 4:
-                    self.refused.append(refusal)
                 if self._pending >= _MAX_PENDING and (refusal or owner is None):
                     conn.close()  # a flood of strangers: drop without a word
                     continue

@@ -463,8 +463,11 @@ def main() -> int:
         # The exit handlers run (nvrar's closes every communicator still open), then the process
         # leaves without the interpreter's and C++ libraries' teardown: after a torch task, about
         # one run in 12 of test_fused's 2-rank torch.compile task aborted there ("terminate called
-        # without an active exception", SIGABRT, rank 1, its report already written). No nvrar code
-        # on one host starts a thread or calls std::terminate; torch's teardown is not under test.
+        # without an active exception", SIGABRT, rank 1, its report already written). Its core
+        # dump: gloo's worker thread (ProcessGroupGloo::runLoop) destroyed the last barrier's
+        # AsyncWork while the interpreter finalized; freeing its tensors takes the GIL, CPython
+        # exits a thread that asks for the GIL then (take_gil -> pthread_exit), and the forced
+        # unwind through the noexcept destructor calls std::terminate. torch's teardown, not nvrar's.
         import atexit
 
         atexit._run_exitfuncs()
