@@ -5,6 +5,8 @@
 #   scripts/emulate.sh [--tsan] [--quick] [--seed N] [--only SUBSTRING]...
 #   scripts/emulate.sh --mutations [--seed N]
 #   scripts/emulate.sh --coverage [--quick] [--seed N]
+#   scripts/emulate.sh --ledger LAYOUT SIZE [--algorithm auto|one-shot|two-shot] [--dtype bfloat16|float32]
+#                      [--threads N] [--seed N]
 #
 # --tsan       build and run under ThreadSanitizer (fence model: csrc/emu/emu.cpp); a report fails
 #              its case
@@ -15,13 +17,20 @@
 #              catches it; one line per mutation, exit 0 only if every one is caught
 # --coverage   builds with gcov instrumentation, runs the suite and prints the line coverage of
 #              device.cuh, allreduce_kernel.cuh and fused_kernel.cuh (the lines not run, listed)
-# Exit status 0 only if every case passes; the last line is
+# --ledger     the wire ledger of ONE call (docs/gpu/emulation.md, "Wire ledger"): LAYOUT is NxG
+#              (2x4), SIZE in bytes as nvrar writes sizes (128K, 2M); the call is planned with
+#              nvrar.settings' GPU defaults (GPU_LAUNCH, one-shot and LL thresholds, max_bytes),
+#              read here with python3; threads per block default to 32. The one mode whose stdout
+#              is not the summary line: it prints exactly one JSON document (nvrar.wire-ledger/1),
+#              the build's output goes to stderr; exit 0 only if the call ran and its result was
+#              bitwise right
+# Otherwise: exit status 0 only if every case passes; the last line is
 #   emulated device: N cases passed, M failed (tsan: on|off)
 # Environment: CXX (default g++), NVRAR_BUILD_JOBS (parallel compiles, default 2), NVRAR_EMU_BUILD
 # (build folder, default build/emu).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-tsan=0 quick=0 mutations=0 coverage=0 seed="" only=()
+tsan=0 quick=0 mutations=0 coverage=0 seed="" only=() ledger=() ledger_opts=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tsan) tsan=1 ;;
@@ -30,7 +39,9 @@ while [ $# -gt 0 ]; do
     --coverage) coverage=1 ;;
     --seed) seed=${2:?--seed needs a number}; shift ;;
     --only) only+=(--only "${2:?--only needs a substring}"); shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --ledger) ledger=("${2:?--ledger needs LAYOUT SIZE}" "${3:?--ledger needs LAYOUT SIZE}"); shift 2 ;;
+    --algorithm|--dtype|--threads) ledger_opts+=("$1" "${2:?$1 needs a value}"); shift ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "emulate.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -207,6 +218,47 @@ for f in files:
 print(f"coverage of the device code: {run_all} of {tot_all} lines ({100.0 * run_all / max(1, tot_all):.1f}%)")
 '
   exit 0
+fi
+
+if [ ${#ledger[@]} -gt 0 ]; then
+  [ "$tsan$mutations$coverage$quick" = 0000 ] && [ ${#only[@]} = 0 ] ||
+    { echo "emulate.sh: --ledger takes --algorithm, --dtype, --threads and --seed only" >&2; exit 2; }
+  # nvrar.settings' GPU defaults, read, never copied (settings.py needs the native module only
+  # for its algorithm codes: without a built one, it is loaded under a stand-in package).
+  plan=$(cd "$root" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python3 - "${ledger[0]}" <<'PY'
+import importlib.util, sys, types
+G = int(sys.argv[1].split("x")[1])
+try:
+    from nvrar import settings as st
+except ImportError:
+    pkg = types.ModuleType("nvrar"); pkg.__path__ = []
+    c = types.ModuleType("nvrar._C"); c.ALGORITHM_CODES = {}
+    pkg._C = c
+    sys.modules.update({"nvrar": pkg, "nvrar._C": c})
+    spec = importlib.util.spec_from_file_location("nvrar.settings", "nvrar/settings.py")
+    st = importlib.util.module_from_spec(spec)
+    sys.modules["nvrar.settings"] = st
+    spec.loader.exec_module(st)
+gpu = st.GPU_LAUNCH
+oneshot = st.Settings.oneshot_max(types.SimpleNamespace(oneshot_max_bytes=None, device="cuda"), G)
+args = ["--max-blocks", gpu["max_blocks"], "--block-bytes", gpu["block_bytes"], "--max-bytes", st.MAX_BYTES["cuda"],
+        "--ll-max-bytes", st.LL_MAX_BYTES["cuda"], "--oneshot-max", oneshot,
+        # The pool (HEAP_BYTES) holds no buffer of this call, so the plan does not depend on it:
+        # a page keeps 32 emulated segments small.
+        "--pool-bytes", 4096]
+if "channels" in gpu:
+    args += ["--channels", gpu["channels"]]
+print(" ".join(str(a) for a in args))
+PY
+) || { echo "emulate.sh: cannot read nvrar.settings' GPU defaults" >&2; exit 3; }
+  kernel=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
+  dir="$build/plain"
+  build_driver "$dir" "$root/csrc" 0 "${plain_flags[@]}" >&2
+  has_threads=0
+  for a in "${ledger_opts[@]}"; do [ "$a" = --threads ] && has_threads=1; done
+  [ "$has_threads" = 1 ] || ledger_opts+=(--threads 32)
+  # shellcheck disable=SC2086
+  exec "$dir/emulate_driver" --ledger "${ledger[@]}" $plan --kernel "$kernel" --seed "$seed" "${ledger_opts[@]}"
 fi
 
 if [ "$tsan" = 1 ]; then

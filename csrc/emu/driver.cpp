@@ -7,6 +7,11 @@
 //   emulate_driver [--quick] [--seed N] [--only SUBSTRING]... [--repeat K] [--list] [--barrier-selftest]
 // Prints one line per case and, last, "emulated device: N cases passed, M failed (tsan: on|off)".
 // Exit status 0 only if every case passed.
+//   emulate_driver --ledger NxG SIZE [--algorithm A] [--dtype D] [--threads T] [--max-blocks B]
+//                  [--block-bytes n] [--max-bytes n] [--pool-bytes n] [--ll-max-bytes n]
+//                  [--oneshot-max n] [--channels n] [--kernel TEXT] [--seed N]
+// Runs one call with the wire ledger on and prints its ledger (ledger.h) as one JSON document;
+// scripts/emulate.sh --ledger passes nvrar.settings' GPU defaults (no default lives here).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -27,6 +32,7 @@
 #include "../protocol/epilogue.h"
 #include "emu.h"
 #include "kernels.h"
+#include "ledger.h"
 
 #if defined(__SANITIZE_THREAD__)
 static int g_tsan_reports = 0;
@@ -146,6 +152,7 @@ struct Setup {
   double timeout_s = kTsan ? 120 : 30;  // every wait's deadline (ThreadSanitizer is 5-10x slower)
   uint64_t seed = 1;
   uint64_t epoch0 = 0;
+  int max_delay_us = 30;  // the proxy's random delays (WorldConfig)
 };
 
 struct Exec {
@@ -179,6 +186,7 @@ struct Exec {
     wc.G = s.G;
     wc.direct_remote = s.direct;
     wc.seed = s.seed;
+    wc.max_delay_us = s.max_delay_us;
     wc.segment_bytes = geo[0].layout.total_bytes;
     wc.barrier_timeout_s = s.timeout_s + 60;
     world.reset(new World(wc));
@@ -687,6 +695,152 @@ void barrier_selftest() {
   std::fprintf(stderr, "barrier self-test: the barrier did not abort\n");
 }
 
+// ---------------------------------------------------------------------------------------------
+// The wire ledger (ledger.h, docs/gpu/emulation.md "Wire ledger"): one call with the raw
+// operations recorded, checked bit for bit, then attributed.
+
+struct LedgerSpec {
+  int N = 2, G = 4;
+  DType dt = DType::kFloat32;
+  Algorithm alg = Algorithm::kAuto;
+  size_t size = 128 << 10;  // bytes
+  int threads = 32;
+  int max_blocks = 0;  // 0: not given (every value below comes from the caller: emulate.sh reads nvrar.settings)
+  size_t block_bytes = 0, max_bytes = 0, pool_bytes = 0, ll_max_bytes = 0, oneshot_max = 0;
+  bool have_ll = false, have_oneshot = false;
+  int channels = -1;  // -1: not configured (one message per block)
+  std::string kernel = "unknown";
+  bool direct = false;
+  int absent = -1;     // a PE that never launches (the fail() budget: every other PE ends aborted)
+  int waiter = -1;     // the PE with a short deadline that records the timeout
+};
+
+struct LedgerRun {
+  ledger::Ledger led;
+  ledger::PlanInfo plan;
+  std::string json;
+};
+
+template <typename T>
+LedgerRun run_ledger_t(const LedgerSpec& ls, uint64_t seed) {
+  EXPECT(ls.max_blocks > 0 && ls.block_bytes > 0 && ls.max_bytes > 0 && ls.have_ll && ls.have_oneshot,
+         "--ledger needs --max-blocks, --block-bytes, --max-bytes, --ll-max-bytes and --oneshot-max (emulate.sh reads "
+         "them from nvrar.settings)");
+  EXPECT(ls.size % sizeof(T) == 0 && ls.size > 0, "size " << ls.size << " is not a whole number of elements");
+  Setup su;
+  su.N = ls.N;
+  su.G = ls.G;
+  su.max_blocks = ls.max_blocks;
+  su.threads = ls.threads;
+  su.max_bytes = ls.max_bytes;
+  su.block_bytes = ls.block_bytes;
+  su.ll_max_bytes = ls.ll_max_bytes;
+  su.oneshot_max_bytes = ls.oneshot_max;
+  su.pool_bytes = ls.pool_bytes;
+  su.direct = ls.direct;
+  su.seed = seed;
+  su.max_delay_us = 0;  // (counts do not depend on the proxy's timing)
+  if (ls.absent >= 0) su.timeout_s = 60;
+  Exec ex(su);
+  if (ls.waiter >= 0) ex.timeout_s[static_cast<size_t>(ls.waiter)] = 1.0;
+  const int W = ex.W;
+  const size_t count = ls.size / sizeof(T);
+  std::mt19937_64 rng(seed * 7919 + 17);
+  std::vector<std::vector<T>> ins(static_cast<size_t>(W));
+  std::vector<std::vector<char>> outb(static_cast<size_t>(W));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  std::vector<const char*> outs(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    auto& v = ins[static_cast<size_t>(r)];
+    v.resize(count);
+    for (auto& x : v) x = random_value<T>(rng, RedOp::kSum);
+    outb[static_cast<size_t>(r)].assign(ls.size, 0);
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = count;
+    c.dtype = ls.dt;
+    c.op = RedOp::kSum;
+    c.alg = ls.alg;
+    c.in = reinterpret_cast<char*>(v.data());
+    c.out = outb[static_cast<size_t>(r)].data();
+    c.absent = r == ls.absent;
+    outs[static_cast<size_t>(r)] = c.out;
+  }
+  // The plan, as every rank computes it (run_call does the same per rank).
+  const ExecutorGeometry g = ex.geometry(0);
+  const CallPlan plan = plan_call(gpu::call_limits(g, ex.seg(0)), reinterpret_cast<uintptr_t>(args[0].in),
+                                  reinterpret_cast<uintptr_t>(args[0].out), count, ls.dt, RedOp::kSum, ls.alg);
+  ex.world->set_recording(true);
+  run_call(ex, args);
+  ex.world->set_recording(false);
+  ex.world->quiet();
+  if (ls.absent < 0) {
+    expect_no_errors(ex);
+    ReduceSpec rs{ls.N, ls.G, ls.dt, RedOp::kSum, plan.algorithm, count};
+    check_results(rs, ins, outs, OpSum{});
+  } else {
+    for (int r = 0; r < W; ++r)
+      EXPECT(r == ls.absent || ex.err[static_cast<size_t>(r)].code != 0, "rank " << r << " was not aborted: "
+                                                                               << record_text(ex.err[static_cast<size_t>(r)]));
+  }
+  LedgerRun out;
+  const bool one_shot = plan.algorithm == Algorithm::kOneShot;
+  out.led = ledger::attribute(ex.world->take_wire_ops(), g.layout, ls.N, ls.G, one_shot);
+  ledger::PlanInfo& pi = out.plan;
+  pi.algorithm = algorithm_name(plan.algorithm);
+  pi.chunks = ceil_div(count, plan.chunk_elems);
+  pi.blocks = static_cast<uint64_t>(plan.slices);
+  pi.chunk_bytes = plan.chunk_elems * sizeof(T);
+  pi.max_bytes = g.cfg.max_bytes;
+  pi.pool_bytes = g.layout.pool_bytes;
+  pi.ll_max_bytes = g.round.ll_max_bytes;
+  pi.oneshot_max = g.cfg.oneshot_max_bytes;
+  pi.channels = ls.channels;
+  // Per slice of the first chunk: its bytes, and its inter-node payload (a shard, or the slice).
+  const size_t n0 = std::min(count, plan.chunk_elems);
+  std::vector<size_t> payload;
+  for (int b = 0; b < plan.slices; ++b) {
+    const Range sl = SegmentLayout::chunk_slice(n0, plan.chunk_elems, static_cast<int>(sizeof(T)), plan.slices, b);
+    pi.slice_bytes.push_back(sl.size() * sizeof(T));
+    payload.push_back(one_shot ? sl.size() * sizeof(T)
+                               : shard_range(sl.size(), static_cast<int>(sizeof(T)), ls.G, 0).size() * sizeof(T));
+  }
+  if (ls.N > 1) {
+    const InterSchedule sch = InterSchedule::make(ls.N, 0);
+    for (int i = 0; i < sch.num_steps(); ++i) {
+      const InterStep st = sch.step(i);
+      ledger::InterStepPlan sp{};
+      sp.step = i;
+      sp.kind = st.slot == sch.fold_in_slot() ? "fold_in" : st.slot == sch.fold_out_slot() ? "fold_out" : "exchange";
+      size_t most = 0, total = 0;
+      for (size_t b = 0; b < payload.size(); ++b) {
+        total += payload[b];
+        if (use_ll(g.round, payload[b])) ++sp.ll_slices;
+        most = std::max(most, payload[b]);
+      }
+      sp.protocol = use_ll(g.round, most) ? "ll" : "put_signal";
+      sp.payload_bytes = total;
+      pi.inter_steps.push_back(sp);
+    }
+  }
+  std::ostringstream extra;
+  extra << ", \"seed\": " << seed << ", \"direct\": " << (ls.direct ? "true" : "false");
+  out.json = ledger::to_json(out.led, ls.kernel, ls.N, ls.G, ls.size, dtype_name(ls.dt), ls.threads, pi, extra.str());
+  return out;
+}
+
+LedgerRun run_ledger(const LedgerSpec& ls, uint64_t seed) {
+  switch (ls.dt) {
+    case DType::kFloat32: return run_ledger_t<float>(ls, seed);
+#if !defined(NVRAR_EMU_MINIMAL)
+    case DType::kFloat16: return run_ledger_t<f16>(ls, seed);
+    case DType::kBFloat16: return run_ledger_t<bf16>(ls, seed);
+    case DType::kInt32: return run_ledger_t<int32_t>(ls, seed);
+#endif
+    default: break;
+  }
+  throw Failure(std::string("this build has no ") + dtype_name(ls.dt) + " kernel");
+}
+
 std::vector<Case> make_cases(bool quick) {
   std::vector<Case> cs;
   auto add = [&](ReduceSpec s) {
@@ -860,8 +1014,97 @@ std::vector<Case> make_cases(bool quick) {
 }  // namespace emu
 }  // namespace nvrar
 
+namespace {
+
+// "128K", "2M", "4096": a size as nvrar writes it (bytes).
+bool parse_size(const std::string& t, size_t* out) {
+  if (t.empty()) return false;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(t.c_str(), &end, 10);
+  if (end == t.c_str()) return false;
+  const std::string suf(end);
+  size_t shift = 0;
+  if (suf == "K" || suf == "k") shift = 10;
+  else if (suf == "M" || suf == "m") shift = 20;
+  else if (suf == "G" || suf == "g") shift = 30;
+  else if (!suf.empty()) return false;
+  *out = static_cast<size_t>(v) << shift;
+  return true;
+}
+
+// The --ledger mode: exit 0 with the JSON on stdout, else 1 with the reason on stderr.
+int ledger_main(int argc, char** argv, int first) {
+  using namespace nvrar;
+  using namespace nvrar::emu;
+  LedgerSpec ls;
+  uint64_t seed = 1;
+  auto bad = [](const std::string& why) {
+    std::fprintf(stderr, "emulate_driver --ledger: %s\n", why.c_str());
+    return 2;
+  };
+  if (first + 2 > argc) return bad("needs LAYOUT (NxG) and SIZE");
+  if (std::sscanf(argv[first], "%dx%d", &ls.N, &ls.G) != 2 || ls.N < 1 || ls.G < 1)
+    return bad(std::string("bad layout ") + argv[first] + " (NxG, e.g. 2x4)");
+  if (!parse_size(argv[first + 1], &ls.size)) return bad(std::string("bad size ") + argv[first + 1]);
+  for (int i = first + 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has = i + 1 < argc;
+    size_t v = 0;
+    if (a == "--algorithm" && has) {
+      const std::string x = argv[++i];
+      if (x == "auto") ls.alg = Algorithm::kAuto;
+      else if (x == "one-shot") ls.alg = Algorithm::kOneShot;
+      else if (x == "two-shot") ls.alg = Algorithm::kTwoShot;
+      else return bad("bad algorithm " + x);
+    } else if (a == "--dtype" && has) {
+      const std::string x = argv[++i];
+      if (x == "float32") ls.dt = DType::kFloat32;
+      else if (x == "bfloat16") ls.dt = DType::kBFloat16;
+      else if (x == "float16") ls.dt = DType::kFloat16;
+      else return bad("bad dtype " + x);
+    } else if (a == "--threads" && has) {
+      ls.threads = std::atoi(argv[++i]);
+    } else if (a == "--max-blocks" && has) {
+      ls.max_blocks = std::atoi(argv[++i]);
+    } else if (a == "--channels" && has) {
+      ls.channels = std::atoi(argv[++i]);
+    } else if (a == "--kernel" && has) {
+      ls.kernel = argv[++i];
+    } else if (a == "--seed" && has) {
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (a == "--direct") {
+      ls.direct = true;
+    } else if ((a == "--block-bytes" || a == "--max-bytes" || a == "--pool-bytes" || a == "--ll-max-bytes" ||
+                a == "--oneshot-max") && has) {
+      if (!parse_size(argv[++i], &v)) return bad("bad size for " + a);
+      if (a == "--block-bytes") ls.block_bytes = v;
+      if (a == "--max-bytes") ls.max_bytes = v;
+      if (a == "--pool-bytes") ls.pool_bytes = v;
+      if (a == "--ll-max-bytes") { ls.ll_max_bytes = v; ls.have_ll = true; }
+      if (a == "--oneshot-max") { ls.oneshot_max = v; ls.have_oneshot = true; }
+    } else {
+      return bad("unknown argument " + a);
+    }
+  }
+  if (ls.threads < 32 || ls.threads % 32 != 0) return bad("--threads must be a multiple of 32");
+  const long long emulated = static_cast<long long>(ls.N) * ls.G * std::max(1, ls.max_blocks) * ls.threads;
+  if (emulated > 16384) std::fprintf(stderr, "emulate_driver --ledger: up to %lld emulated threads\n", emulated);
+  try {
+    const LedgerRun r = run_ledger(ls, seed);
+    std::fputs(r.json.c_str(), stdout);
+    std::fflush(stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "emulate_driver --ledger: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace nvrar::emu;
+  if (argc > 1 && std::string(argv[1]) == "--ledger") return ledger_main(argc, argv, 2);
   bool quick = false, list = false;
   int repeat = 1;
   double case_timeout_s = kTsan ? 600 : 300;

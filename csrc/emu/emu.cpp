@@ -4,8 +4,10 @@
 #include "emu.h"
 
 #include <pthread.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -105,6 +107,7 @@ struct ThreadCtx {
   Block* block = nullptr;
   int pe = 0;
   size_t smem_cursor = 0;
+  std::vector<WireOp> wire;  // this thread's wire ledger entries, appended to the world's at exit
 #if defined(__SANITIZE_THREAD__)
   bool armed = false;              // a fence was passed since the last barrier (NOTE [tsan fences])
   const void* loaded[64] = {};     // relaxed atomic loads since the last fence
@@ -158,6 +161,24 @@ struct World::Impl {
   ProxyStats st;
   std::mt19937_64 rng;
   std::thread proxy;
+  // The wire ledger (emu.h WireOp).
+  std::mutex wire_mu;
+  std::vector<WireOp> wire;
+  std::atomic<uint64_t> wire_seq{0};
+  size_t seg_span = 0;  // bytes mapped per segment
+
+  // The PE whose segment holds p, and p's offset there; -1 if none.
+  int locate(const void* p, uint64_t* off) const {
+    const char* c = static_cast<const char*>(p);
+    for (int pe = 0; pe < cfg.pes; ++pe) {
+      const char* b = segs[static_cast<size_t>(pe)];
+      if (c >= b && c < b + cfg.segment_bytes) {
+        *off = static_cast<uint64_t>(c - b);
+        return pe;
+      }
+    }
+    return -1;
+  }
 
   int node_of(int pe) const { return pe / cfg.G; }
   bool reachable(int from, int to) const { return cfg.direct_remote || node_of(from) == node_of(to); }
@@ -275,11 +296,13 @@ World::World(const WorldConfig& cfg) : impl_(new Impl) {
   Impl& I = *impl_;
   I.cfg = cfg;
   if (cfg.pes < 1 || cfg.G < 1 || cfg.pes % cfg.G != 0) die("bad world: pes must be a multiple of G");
+  // Anonymous mappings start zeroed and take memory only where touched (a production-sized
+  // segment, 16 MB chunks, is mostly untouched by one call).
+  I.seg_span = std::max<size_t>((cfg.segment_bytes + 4095) / 4096 * 4096, 4096);
   for (int p = 0; p < cfg.pes; ++p) {
-    char* s = static_cast<char*>(std::aligned_alloc(4096, (cfg.segment_bytes + 4095) / 4096 * 4096));
-    if (s == nullptr) die("cannot allocate a segment");
-    std::memset(s, 0, cfg.segment_bytes);
-    I.segs.push_back(s);
+    void* s = mmap(nullptr, I.seg_span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (s == MAP_FAILED) die("cannot allocate a segment");
+    I.segs.push_back(static_cast<char*>(s));
   }
   I.fence_gen.assign(static_cast<size_t>(cfg.pes), 0);
   I.rng.seed(cfg.seed);
@@ -294,7 +317,8 @@ World::~World() {
     I.cv.notify_all();
   }
   I.proxy.join();
-  for (char* s : I.segs) std::free(s);
+  for (char* s : I.segs) munmap(s, I.seg_span);
+  g_wire_record = false;
 }
 
 const WorldConfig& World::config() const { return impl_->cfg; }
@@ -303,6 +327,35 @@ char* World::segment(int pe) const { return impl_->segs[static_cast<size_t>(pe)]
 ProxyStats World::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->st;
+}
+
+bool g_wire_record = false;
+
+const char* wire_kind_name(WireKind k) {
+  switch (k) {
+    case WireKind::kPut: return "put";
+    case WireKind::kPutSignal: return "put_signal";
+    case WireKind::kSignalOp: return "signal_op";
+    case WireKind::kAtomic: return "atomic";
+    case WireKind::kFence: return "fence";
+    case WireKind::kQuiet: return "quiet";
+    case WireKind::kWaitUntil: return "wait_until";
+    case WireKind::kStoreRelaxed: return "store_relaxed";
+    case WireKind::kStoreRelease: return "store_release";
+    case WireKind::kSysFence: return "sys_fence";
+    case WireKind::kDevFence: return "device_fence";
+  }
+  return "?";
+}
+
+void World::set_recording(bool on) { g_wire_record = on; }
+
+std::vector<WireOp> World::take_wire_ops() {
+  std::lock_guard<std::mutex> lock(impl_->wire_mu);
+  std::vector<WireOp> v;
+  v.swap(impl_->wire);
+  std::sort(v.begin(), v.end(), [](const WireOp& a, const WireOp& b) { return a.seq < b.seq; });
+  return v;
 }
 
 void World::quiet() {
@@ -333,6 +386,10 @@ void* thread_main(void* p) {
   blockDim = uint3{static_cast<unsigned>(a.threads), 1, 1};
   gridDim = uint3{static_cast<unsigned>(a.blocks), 1, 1};
   (*a.kernel)(a.pe);
+  if (!t_ctx.wire.empty()) {
+    std::lock_guard<std::mutex> lock(a.world->wire_mu);
+    a.world->wire.insert(a.world->wire.end(), t_ctx.wire.begin(), t_ctx.wire.end());
+  }
   t_ctx = ThreadCtx{};
   return nullptr;
 }
@@ -412,6 +469,43 @@ void warp_exchange(uint32_t v, uint32_t* lanes) {
   w.bar.wait(lane, "a warp shuffle (full mask)");
 }
 
+// One wire ledger entry of the calling thread (target -1: no target; p: a symmetric address, whose
+// offset in my segment is the offset in the target's).
+void wire_log(WireKind kind, int target, const void* p, uint64_t bytes, const void* sig = nullptr) {
+  ThreadCtx& c = t_ctx;
+  if (c.world == nullptr) return;
+  WireOp op;
+  op.seq = c.world->wire_seq.fetch_add(1, std::memory_order_relaxed);
+  op.kind = kind;
+  op.pe = c.pe;
+  op.block = static_cast<int>(blockIdx.x);
+  op.thread = static_cast<int>(threadIdx.x);
+  op.target = target;
+  op.bytes = bytes;
+  uint64_t off = 0;
+  if (p != nullptr && c.world->locate(p, &off) >= 0) op.offset = off;
+  if (sig != nullptr && c.world->locate(sig, &off) >= 0) op.sig_offset = static_cast<int64_t>(off);
+  c.wire.push_back(op);
+}
+
+void wire_store(const void* p, bool release) {
+  ThreadCtx& c = t_ctx;
+  if (c.world == nullptr) return;
+  uint64_t off = 0;
+  const int pe = c.world->locate(p, &off);
+  if (pe < 0 || (!release && pe == c.pe)) return;  // (relaxed stores: to another PE only)
+  WireOp op;
+  op.seq = c.world->wire_seq.fetch_add(1, std::memory_order_relaxed);
+  op.kind = release ? WireKind::kStoreRelease : WireKind::kStoreRelaxed;
+  op.pe = c.pe;
+  op.block = static_cast<int>(blockIdx.x);
+  op.thread = static_cast<int>(threadIdx.x);
+  op.target = pe;
+  op.offset = off;
+  op.bytes = 8;
+  c.wire.push_back(op);
+}
+
 // NOTE [tsan fences]: ThreadSanitizer ignores std::atomic_thread_fence, so the synchronization
 // that a fence gives a relaxed atomic is modelled by hand (C++ [atomics.fences]): a release fence
 // followed by a relaxed store (or read-modify-write) to X releases at X; a relaxed load (or RMW)
@@ -419,7 +513,8 @@ void warp_exchange(uint32_t v, uint32_t* lanes) {
 // the thread had seen when it passed it: a block barrier after it brings in other threads' writes
 // that the fence does not order, so a barrier disarms it (the store after it is then plain relaxed
 // again, and a missing fence or release shows as a race).
-void fence(bool) {
+void fence(bool system) {
+  if (g_wire_record) wire_log(system ? WireKind::kSysFence : WireKind::kDevFence, -1, nullptr, 0);
 #if defined(__SANITIZE_THREAD__)
   ThreadCtx& c = t_ctx;
   const unsigned n = std::min<unsigned>(c.nloaded, 64);
@@ -455,6 +550,9 @@ uint64_t now_ns() {
 
 using nvrar::emu::ctx;
 using nvrar::emu::die;
+using nvrar::emu::g_wire_record;
+using nvrar::emu::wire_log;
+using nvrar::emu::WireKind;
 
 void* nvshmem_ptr(const void* dest, int pe) {
   auto& c = ctx();
@@ -483,6 +581,8 @@ void put_block(void* dest, const void* source, size_t bytes, uint64_t* sig_addr,
   uint64_t* sig = sig_addr != nullptr
                       ? reinterpret_cast<uint64_t*>(c.world->translate(sig_addr, 8, c.pe, pe, what))
                       : nullptr;
+  if (g_wire_record && threadIdx.x == 0)
+    wire_log(sig != nullptr ? WireKind::kPutSignal : WireKind::kPut, pe, dest, bytes, sig_addr);
   __syncthreads();  // the source is complete
   if (c.world->reachable(c.pe, pe)) {
     block_copy(to, static_cast<const char*>(source), bytes);
@@ -513,6 +613,7 @@ void nvshmemx_signal_op(uint64_t* sig_addr, uint64_t signal, int sig_op, int pe)
   if (sig_op != NVSHMEM_SIGNAL_SET) die("only NVSHMEM_SIGNAL_SET is emulated");
   auto& c = ctx();
   uint64_t* sig = reinterpret_cast<uint64_t*>(c.world->translate(sig_addr, 8, c.pe, pe, "nvshmemx_signal_op"));
+  if (g_wire_record) wire_log(WireKind::kSignalOp, pe, sig_addr, 8);
   if (c.world->reachable(c.pe, pe))
     std::atomic_ref<uint64_t>(*sig).store(signal, std::memory_order_release);
   else
@@ -521,6 +622,7 @@ void nvshmemx_signal_op(uint64_t* sig_addr, uint64_t signal, int sig_op, int pe)
 
 void nvshmem_fence() {
   auto& c = ctx();
+  if (g_wire_record) wire_log(WireKind::kFence, -1, nullptr, 0);
   std::lock_guard<std::mutex> lock(c.world->mu);
   ++c.world->fence_gen[static_cast<size_t>(c.pe)];
 }
@@ -528,6 +630,7 @@ void nvshmem_fence() {
 void nvshmem_uint64_wait_until(uint64_t* ivar, int cmp, uint64_t cmp_value) {
   if (cmp != NVSHMEM_CMP_GE) die("only NVSHMEM_CMP_GE is emulated");
   auto& c = ctx();
+  if (g_wire_record) wire_log(WireKind::kWaitUntil, c.pe, ivar, 8);
   const uint64_t start = nvrar::emu::now_ns();
   const uint64_t limit = static_cast<uint64_t>(c.world->cfg.barrier_timeout_s * 1e9);
   while (std::atomic_ref<uint64_t>(*ivar).load(std::memory_order_acquire) < cmp_value) {

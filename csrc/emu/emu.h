@@ -23,6 +23,35 @@ struct WorldConfig {
   size_t segment_bytes = 0;       // every PE's symmetric segment, zeroed
 };
 
+// The wire ledger's raw record (docs/gpu/emulation.md, "Wire ledger"): with recording on, every
+// NVSHMEM device call, every system-scope store to another PE's segment, every release store and
+// every fence of the device code is logged with who issued it and where it goes. Nothing here
+// knows the protocol: the driver attributes the operations to phases and steps by their offsets.
+enum class WireKind : uint8_t {
+  kPut,           // nvshmemx_putmem_nbi_block (offset: destination)
+  kPutSignal,     // nvshmemx_putmem_signal_nbi_block (offset: destination, sig_offset: the signal)
+  kSignalOp,      // nvshmemx_signal_op (offset: the signal word)
+  kAtomic,        // another NVSHMEM atomic to a PE
+  kFence,         // nvshmem_fence
+  kQuiet,         // nvshmem_quiet
+  kWaitUntil,     // nvshmem_uint64_wait_until / nvshmem_signal_wait_until (target: me; offset: the word)
+  kStoreRelaxed,  // st.relaxed.sys to another PE's segment (direct stores: NVLink, or nvshmem_ptr)
+  kStoreRelease,  // st.release.sys to any PE's segment, mine included
+  kSysFence,      // __threadfence_system
+  kDevFence,      // __threadfence
+};
+const char* wire_kind_name(WireKind k);
+
+struct WireOp {
+  uint64_t seq = 0;  // global issue order
+  WireKind kind = WireKind::kPut;
+  int pe = 0, block = 0, thread = 0;
+  int target = -1;          // the PE written (-1: none, for fences)
+  uint64_t offset = 0;      // byte offset in the target's segment
+  uint64_t bytes = 0;
+  int64_t sig_offset = -1;  // put-with-signal: the signal word's offset in the target's segment
+};
+
 struct ProxyStats {
   uint64_t puts = 0;
   uint64_t pieces = 0;
@@ -46,6 +75,10 @@ class World {
   // Until the proxy delivered everything issued so far.
   void quiet();
   ProxyStats stats() const;
+  // The wire ledger: while on (between launches only), the device code's operations are logged;
+  // take_wire_ops returns them in issue order and empties the log.
+  void set_recording(bool on);
+  std::vector<WireOp> take_wire_ops();
 
   struct Impl;
 

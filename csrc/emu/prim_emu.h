@@ -62,6 +62,10 @@ void warp_exchange(uint32_t v, uint32_t* lanes);  // lanes[32] of my warp after 
 void fence(bool system);
 void nanosleep(unsigned ns);
 uint64_t now_ns();
+// The wire ledger (emu.h WireOp): on only while World::set_recording(true), set between launches,
+// so the check costs the suite one load and branch per primitive.
+extern bool g_wire_record;
+void wire_store(const void* p, bool release);  // a system-scope store at p (any segment)
 // The fence model for ThreadSanitizer (emu.cpp, NOTE [tsan fences]): called before a relaxed
 // atomic store or read-modify-write, and after a relaxed atomic load or read-modify-write.
 #if defined(__SANITIZE_THREAD__)
@@ -152,8 +156,12 @@ namespace nvrar {
 namespace gpu {
 
 inline uint64_t globaltimer() { return ::nvrar::emu::now_ns(); }
-inline void st_release_sys(uint64_t* p, uint64_t v) { std::atomic_ref<uint64_t>(*p).store(v, std::memory_order_release); }
+inline void st_release_sys(uint64_t* p, uint64_t v) {
+  if (::nvrar::emu::g_wire_record) ::nvrar::emu::wire_store(p, true);
+  std::atomic_ref<uint64_t>(*p).store(v, std::memory_order_release);
+}
 inline void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  if (::nvrar::emu::g_wire_record) ::nvrar::emu::wire_store(p, false);
   ::nvrar::emu::tsan_store(p);
   std::atomic_ref<uint64_t>(*p).store(v, std::memory_order_relaxed);
 }
