@@ -252,13 +252,17 @@ print(" ".join(str(a) for a in args))
 PY
 ) || { echo "emulate.sh: cannot read nvrar.settings' GPU defaults" >&2; exit 3; }
   kernel=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
+  # The device code's own version: the last commit that changed it (and -dirty if it has changes).
+  dev_paths=(csrc/cuda csrc/protocol csrc/common)
+  device_code=$(git -C "$root" log -1 --format=%h -- "${dev_paths[@]}" 2>/dev/null || echo unknown)
+  [ -z "$(git -C "$root" status --porcelain -- "${dev_paths[@]}" 2>/dev/null)" ] || device_code="$device_code-dirty"
   dir="$build/plain"
   build_driver "$dir" "$root/csrc" 0 "${plain_flags[@]}" >&2
   has_threads=0
   for a in "${ledger_opts[@]}"; do [ "$a" = --threads ] && has_threads=1; done
   [ "$has_threads" = 1 ] || ledger_opts+=(--threads 32)
   # shellcheck disable=SC2086
-  exec "$dir/emulate_driver" --ledger "${ledger[@]}" $plan --kernel "$kernel" --seed "$seed" "${ledger_opts[@]}"
+  exec "$dir/emulate_driver" --ledger "${ledger[@]}" $plan --kernel "$kernel" --device-code "${device_code:-unknown}" --seed "$seed" "${ledger_opts[@]}"
 fi
 
 if [ "$tsan" = 1 ]; then

@@ -9,7 +9,7 @@
 // Exit status 0 only if every case passed.
 //   emulate_driver --ledger NxG SIZE [--algorithm A] [--dtype D] [--threads T] [--max-blocks B]
 //                  [--block-bytes n] [--max-bytes n] [--pool-bytes n] [--ll-max-bytes n]
-//                  [--oneshot-max n] [--channels n] [--kernel TEXT] [--seed N]
+//                  [--oneshot-max n] [--channels n] [--kernel TEXT] [--device-code TEXT] [--seed N]
 // Runs one call with the wire ledger on and prints its ledger (ledger.h) as one JSON document;
 // scripts/emulate.sh --ledger passes nvrar.settings' GPU defaults (no default lives here).
 #include <algorithm>
@@ -153,6 +153,7 @@ struct Setup {
   uint64_t seed = 1;
   uint64_t epoch0 = 0;
   int max_delay_us = 30;  // the proxy's random delays (WorldConfig)
+  size_t max_piece_bytes = 256;  // the proxy's largest piece of a put (WorldConfig)
 };
 
 struct Exec {
@@ -187,6 +188,7 @@ struct Exec {
     wc.direct_remote = s.direct;
     wc.seed = s.seed;
     wc.max_delay_us = s.max_delay_us;
+    wc.max_piece_bytes = s.max_piece_bytes;
     wc.segment_bytes = geo[0].layout.total_bytes;
     wc.barrier_timeout_s = s.timeout_s + 60;
     world.reset(new World(wc));
@@ -710,6 +712,7 @@ struct LedgerSpec {
   bool have_ll = false, have_oneshot = false;
   int channels = -1;  // -1: not configured (one message per block)
   std::string kernel = "unknown";
+  std::string device_code = "unknown";  // the last commit that changed the device code
   bool direct = false;
   int absent = -1;     // a PE that never launches (the fail() budget: every other PE ends aborted)
   int waiter = -1;     // the PE with a short deadline that records the timeout
@@ -739,8 +742,11 @@ LedgerRun run_ledger_t(const LedgerSpec& ls, uint64_t seed) {
   su.pool_bytes = ls.pool_bytes;
   su.direct = ls.direct;
   su.seed = seed;
-  su.max_delay_us = 0;  // (counts do not depend on the proxy's timing)
-  if (ls.absent >= 0) su.timeout_s = 60;
+  // Counts do not depend on the proxy's timing or pieces: no delays, pieces up to 64 KiB (tens of
+  // thousands of emulated threads share a few cores), and long deadlines.
+  su.max_delay_us = 0;
+  su.max_piece_bytes = 64 << 10;
+  su.timeout_s = 600;
   Exec ex(su);
   if (ls.waiter >= 0) ex.timeout_s[static_cast<size_t>(ls.waiter)] = 1.0;
   const int W = ex.W;
@@ -823,7 +829,7 @@ LedgerRun run_ledger_t(const LedgerSpec& ls, uint64_t seed) {
     }
   }
   std::ostringstream extra;
-  extra << ", \"seed\": " << seed << ", \"direct\": " << (ls.direct ? "true" : "false");
+  extra << ", \"device_code\": \"" << ls.device_code << "\", \"seed\": " << seed << ", \"direct\": " << (ls.direct ? "true" : "false");
   out.json = ledger::to_json(out.led, ls.kernel, ls.N, ls.G, ls.size, dtype_name(ls.dt), ls.threads, pi, extra.str());
   return out;
 }
@@ -1070,6 +1076,8 @@ int ledger_main(int argc, char** argv, int first) {
       ls.channels = std::atoi(argv[++i]);
     } else if (a == "--kernel" && has) {
       ls.kernel = argv[++i];
+    } else if (a == "--device-code" && has) {
+      ls.device_code = argv[++i];
     } else if (a == "--seed" && has) {
       seed = std::strtoull(argv[++i], nullptr, 10);
     } else if (a == "--direct") {

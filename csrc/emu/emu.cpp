@@ -155,6 +155,7 @@ struct World::Impl {
   std::condition_variable idle_cv;
   std::deque<PutOp> ops;
   std::vector<uint64_t> fence_gen;
+  std::vector<uint64_t> low_gen;  // the proxy's scratch: lowest pending fence generation per (src, dst)
   uint64_t seq = 0;
   bool stop = false;
   bool busy = false;
@@ -224,14 +225,18 @@ struct World::Impl {
       cv.wait(lock, [&] { return stop || !ops.empty(); });
       if (ops.empty() && stop) return;
       busy = true;
-      // Eligible: no earlier-fenced operation from the same source to the same target pending.
-      std::vector<size_t> eligible;
-      for (size_t i = 0; i < ops.size(); ++i) {
-        bool ok = true;
-        for (size_t j = 0; j < ops.size() && ok; ++j)
-          ok = !(ops[j].src == ops[i].src && ops[j].dst == ops[i].dst && ops[j].gen < ops[i].gen);
-        if (ok) eligible.push_back(i);
+      // Eligible: no earlier-fenced operation from the same source to the same target pending
+      // (the operation's fence generation is its pair's lowest pending one).
+      std::vector<uint64_t>& low = low_gen;
+      low.assign(static_cast<size_t>(cfg.pes) * static_cast<size_t>(cfg.pes), UINT64_MAX);
+      for (const PutOp& o : ops) {
+        uint64_t& l = low[static_cast<size_t>(o.src) * static_cast<size_t>(cfg.pes) + static_cast<size_t>(o.dst)];
+        l = std::min(l, o.gen);
       }
+      std::vector<size_t> eligible;
+      for (size_t i = 0; i < ops.size(); ++i)
+        if (ops[i].gen == low[static_cast<size_t>(ops[i].src) * static_cast<size_t>(cfg.pes) + static_cast<size_t>(ops[i].dst)])
+          eligible.push_back(i);
       // Adversarial: mostly the latest-issued eligible operation (overtaking what NVSHMEM does
       // not order), else any.
       size_t i = eligible.back();
@@ -277,7 +282,7 @@ struct World::Impl {
     op.to = to;
     op.data.assign(static_cast<const unsigned char*>(data), static_cast<const unsigned char*>(data) + bytes);
     for (size_t off = 0; off < bytes;) {
-      size_t len = 8 * std::uniform_int_distribution<size_t>(1, 32)(rng);
+      size_t len = 8 * std::uniform_int_distribution<size_t>(1, std::max<size_t>(1, cfg.max_piece_bytes / 8))(rng);
       const size_t misalign = reinterpret_cast<uintptr_t>(to + off) & 7;
       if (misalign != 0) len = 8 - misalign;
       len = std::min(len, bytes - off);

@@ -21,6 +21,7 @@ struct WorldConfig {
   double barrier_timeout_s = 60;  // a __syncthreads that not every thread reaches aborts after this
   int max_delay_us = 30;          // the proxy's random delays, at most this long
   size_t segment_bytes = 0;       // every PE's symmetric segment, zeroed
+  size_t max_piece_bytes = 256;   // the proxy delivers a put in pieces of 8 to this many bytes
 };
 
 // The wire ledger's raw record (docs/gpu/emulation.md, "Wire ledger"): with recording on, every
