@@ -220,14 +220,13 @@ print(f"coverage of the device code: {run_all} of {tot_all} lines ({100.0 * run_
   exit 0
 fi
 
-if [ ${#ledger[@]} -gt 0 ]; then
-  [ "$tsan$mutations$coverage$quick" = 0000 ] && [ ${#only[@]} = 0 ] ||
-    { echo "emulate.sh: --ledger takes --algorithm, --dtype, --threads and --seed only" >&2; exit 2; }
-  # nvrar.settings' GPU defaults, read, never copied (settings.py needs the native module only
-  # for its algorithm codes: without a built one, it is loaded under a stand-in package).
-  plan=$(cd "$root" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python3 - "${ledger[0]}" <<'PY'
+# nvrar.settings' GPU defaults as the driver takes them (--gpu-defaults K=V,...: GPU_LAUNCH, max_bytes,
+# the LL threshold, the one-shot threshold for every G up to 16, GPU_LAUNCH["channels"] where set),
+# read, never copied. settings.py needs the native module only for its algorithm codes: without a
+# built one, it is loaded under a stand-in package.
+gpu_defaults() {
+  (cd "$root" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python3 - <<'PY'
 import importlib.util, sys, types
-G = int(sys.argv[1].split("x")[1])
 try:
     from nvrar import settings as st
 except ImportError:
@@ -240,17 +239,21 @@ except ImportError:
     sys.modules["nvrar.settings"] = st
     spec.loader.exec_module(st)
 gpu = st.GPU_LAUNCH
-oneshot = st.Settings.oneshot_max(types.SimpleNamespace(oneshot_max_bytes=None, device="cuda"), G)
-args = ["--max-blocks", gpu["max_blocks"], "--block-bytes", gpu["block_bytes"], "--max-bytes", st.MAX_BYTES["cuda"],
-        "--ll-max-bytes", st.LL_MAX_BYTES["cuda"], "--oneshot-max", oneshot,
-        # The pool (HEAP_BYTES) holds no buffer of this call, so the plan does not depend on it:
-        # a page keeps 32 emulated segments small.
-        "--pool-bytes", 4096]
+kv = {"max_blocks": gpu["max_blocks"], "block_bytes": gpu["block_bytes"], "max_bytes": st.MAX_BYTES["cuda"],
+      "ll_max_bytes": st.LL_MAX_BYTES["cuda"]}
+for g in range(1, 17):
+    kv[f"oneshot_max.{g}"] = st.Settings.oneshot_max(types.SimpleNamespace(oneshot_max_bytes=None, device="cuda"), g)
 if "channels" in gpu:
-    args += ["--channels", gpu["channels"]]
-print(" ".join(str(a) for a in args))
+    kv["channels"] = gpu["channels"]
+print(",".join(f"{k}={int(v)}" for k, v in kv.items()))
 PY
-) || { echo "emulate.sh: cannot read nvrar.settings' GPU defaults" >&2; exit 3; }
+  )
+}
+
+if [ ${#ledger[@]} -gt 0 ]; then
+  [ "$tsan$mutations$coverage$quick" = 0000 ] && [ ${#only[@]} = 0 ] ||
+    { echo "emulate.sh: --ledger takes --algorithm, --dtype, --threads and --seed only" >&2; exit 2; }
+  defaults=$(gpu_defaults) || { echo "emulate.sh: cannot read nvrar.settings' GPU defaults" >&2; exit 3; }
   kernel=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
   # The device code's own version: the last commit that changed it (and -dirty if it has changes).
   dev_paths=(csrc/cuda csrc/protocol csrc/common)
@@ -261,8 +264,7 @@ PY
   has_threads=0
   for a in "${ledger_opts[@]}"; do [ "$a" = --threads ] && has_threads=1; done
   [ "$has_threads" = 1 ] || ledger_opts+=(--threads 32)
-  # shellcheck disable=SC2086
-  exec "$dir/emulate_driver" --ledger "${ledger[@]}" $plan --kernel "$kernel" --device-code "${device_code:-unknown}" --seed "$seed" "${ledger_opts[@]}"
+  exec "$dir/emulate_driver" --ledger "${ledger[@]}" --gpu-defaults "$defaults" --kernel "$kernel" --device-code "${device_code:-unknown}" --seed "$seed" "${ledger_opts[@]}"
 fi
 
 if [ "$tsan" = 1 ]; then
@@ -275,4 +277,6 @@ else
 fi
 args=(--seed "$seed" "${only[@]}")
 [ "$quick" = 1 ] && args+=(--quick)
+# (the wire_budget cases, --only wire_budget, plan their calls with the GPU defaults)
+defaults=$(gpu_defaults 2>/dev/null) && args+=(--gpu-defaults "$defaults")
 exec "$dir/emulate_driver" "${args[@]}"

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -847,6 +848,171 @@ LedgerRun run_ledger(const LedgerSpec& ls, uint64_t seed) {
   throw Failure(std::string("this build has no ") + dtype_name(ls.dt) + " kernel");
 }
 
+// ---------------------------------------------------------------------------------------------
+// nvrar.settings' GPU defaults, as scripts/emulate.sh passes them (--gpu-defaults
+// "max_blocks=16,block_bytes=32768,max_bytes=...,ll_max_bytes=...,oneshot_max.G=...,...[,channels=C]"):
+// read by Python from the one place they are defined, never copied here.
+struct GpuDefaults {
+  bool have = false;
+  int max_blocks = 0;
+  size_t block_bytes = 0, max_bytes = 0, ll_max_bytes = 0;
+  std::map<int, size_t> oneshot_max;  // by ranks per node
+  int channels = -1;                  // -1: not configured
+};
+GpuDefaults g_gpu_defaults;
+
+bool parse_gpu_defaults(const std::string& text, GpuDefaults* d) {
+  std::istringstream is(text);
+  std::string kv;
+  bool any = false;
+  while (std::getline(is, kv, ',')) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos) return false;
+    const std::string k = kv.substr(0, eq);
+    const unsigned long long v = std::strtoull(kv.c_str() + eq + 1, nullptr, 10);
+    if (k == "max_blocks") d->max_blocks = static_cast<int>(v);
+    else if (k == "block_bytes") d->block_bytes = v;
+    else if (k == "max_bytes") d->max_bytes = v;
+    else if (k == "ll_max_bytes") d->ll_max_bytes = v;
+    else if (k == "channels") d->channels = static_cast<int>(v);
+    else if (k.rfind("oneshot_max.", 0) == 0) d->oneshot_max[std::atoi(k.c_str() + 12)] = v;
+    else return false;
+    any = true;
+  }
+  d->have = any && d->max_blocks > 0 && d->block_bytes > 0 && d->max_bytes > 0 && !d->oneshot_max.empty();
+  return d->have;
+}
+
+// A LedgerSpec of the defaults for NxG (pool: one page; it holds no buffer of the call).
+LedgerSpec default_ledger_spec(int N, int G, size_t size) {
+  const GpuDefaults& d = g_gpu_defaults;
+  EXPECT(d.have, "no GPU defaults: run through scripts/emulate.sh, which reads them from nvrar.settings");
+  EXPECT(d.oneshot_max.count(G), "the GPU defaults name no one-shot threshold for " << G << " ranks per node");
+  LedgerSpec ls;
+  ls.N = N;
+  ls.G = G;
+  ls.size = size;
+  ls.max_blocks = d.max_blocks;
+  ls.block_bytes = d.block_bytes;
+  ls.max_bytes = d.max_bytes;
+  ls.pool_bytes = 4096;
+  ls.ll_max_bytes = d.ll_max_bytes;
+  ls.have_ll = true;
+  ls.oneshot_max = d.oneshot_max.at(G);
+  ls.have_oneshot = true;
+  ls.channels = d.channels;
+  return ls;
+}
+
+// The wire budget (docs/gpu/emulation.md, "Wire budget") of one call with the defaults: each rule
+// printed with its verdict; the case fails naming every rule broken.
+void run_wire_budget(int N, int G, size_t size, bool with_abort, uint64_t seed) {
+  using namespace ledger;
+  LedgerSpec ls = default_ledger_spec(N, G, size);
+  const LedgerRun r = run_ledger(ls, seed);
+  const Ledger& led = r.led;
+  std::ostringstream cell;
+  cell << "wire_budget " << N << "x" << G << " " << (size >> 10) << "K";
+  std::vector<std::string> broken;
+  auto verdict = [&](const std::string& rule, bool ok, const std::string& detail) {
+    std::printf("  %s: %-24s %s%s%s\n", cell.str().c_str(), rule.c_str(), ok ? "ok" : "FAIL",
+                detail.empty() ? "" : ": ", detail.c_str());
+    if (!ok) broken.push_back(rule);
+  };
+  auto step_name = [](const StepLedger& s) {
+    std::ostringstream os;
+    os << "chunk " << s.key.chunk << " " << kPhaseName[s.key.phase] << " step " << s.key.step;
+    return os.str();
+  };
+  std::printf("  %s: plan %s, %llu block(s), %llu chunk(s), inter-node steps:", cell.str().c_str(), r.plan.algorithm,
+              static_cast<unsigned long long>(r.plan.blocks), static_cast<unsigned long long>(r.plan.chunks));
+  for (const auto& s : r.plan.inter_steps) std::printf(" %s/%s", s.kind, s.protocol);
+  std::printf("\n");
+  // Per step: fences, quiets, transport-inserted fences; signal ops and atomics; messages per peer;
+  // release chains.
+  std::ostringstream f, so, msg, rc;
+  uint64_t msg_max = 0;
+  for (const StepLedger& s : led.steps) {
+    const Counters m = max_over(s.pe);
+    const uint64_t fq = m.v[kFences] + m.v[kQuiets];
+    const uint64_t pf = std::max({m.v[kProxyFencesIbgda], m.v[kProxyFencesIbrc], m.v[kProxyFencesLibfabric]});
+    if ((fq || pf) && f.str().empty())
+      f << step_name(s) << ": fences " << m.v[kFences] << ", quiets " << m.v[kQuiets] << ", proxy fences ibgda/ibrc/libfabric "
+        << m.v[kProxyFencesIbgda] << "/" << m.v[kProxyFencesIbrc] << "/" << m.v[kProxyFencesLibfabric];
+    if ((m.v[kSignalOps] || m.v[kRemoteAtomics]) && so.str().empty())
+      so << step_name(s) << ": signal ops " << m.v[kSignalOps] << ", remote atomics " << m.v[kRemoteAtomics];
+    if (m.v[kMessagesMaxPerPeer] > msg_max) {
+      msg_max = m.v[kMessagesMaxPerPeer];
+      msg.str("");
+      msg << step_name(s) << ": " << msg_max << " message(s) to one peer";
+    }
+    if (m.v[kReleaseChainMax] > 1 && rc.str().empty())
+      rc << step_name(s) << ": " << m.v[kReleaseChainMax] << " release stores in a row from one thread";
+  }
+  verdict("fences_and_quiets", f.str().empty(), f.str());
+  verdict("signal_ops_and_atomics", so.str().empty(), so.str());
+  const bool have_channels = r.plan.channels >= 0;
+  const uint64_t allowed_msgs = have_channels ? static_cast<uint64_t>(r.plan.channels) : r.plan.blocks;
+  verdict("messages_per_peer", msg_max <= allowed_msgs,
+          msg.str() + (have_channels ? ", channels " + std::to_string(r.plan.channels)
+                                     : ", at most " + std::to_string(allowed_msgs) +
+                                           " (channels are not configured: one message per block is the current design)"));
+  // Inter-node bytes per PE per call against the chosen algorithm's minimum, step by step:
+  // two-shot bytes/G per recursive-doubling step, one-shot the whole message; 1.05x on
+  // put-with-signal steps, 2.1x on LL steps.
+  const bool one_shot = std::string(r.plan.algorithm) == "one-shot";
+  const double per_step = one_shot ? static_cast<double>(size) : static_cast<double>(size) / G;
+  double allowed = 0, minimum = 0;
+  for (const StepLedger& s : led.steps)
+    if (s.key.phase == kInterNode) {
+      const bool ll = s.protocol() != nullptr && std::string(s.protocol()) == "ll";
+      minimum += per_step;
+      allowed += per_step * (ll ? 2.1 : 1.05);
+    }
+  uint64_t most = 0;
+  int most_pe = 0;
+  for (size_t p = 0; p < led.call.size(); ++p)
+    if (led.call[p].v[kInterNodeBytes] > most) {
+      most = led.call[p].v[kInterNodeBytes];
+      most_pe = static_cast<int>(p);
+    }
+  {
+    std::ostringstream os;
+    os << "PE " << most_pe << " sends " << most << " bytes across nodes; the " << r.plan.algorithm << " minimum is "
+       << static_cast<uint64_t>(minimum) << ", allowed " << static_cast<uint64_t>(allowed);
+    verdict("inter_node_bytes", static_cast<double>(most) <= allowed, os.str());
+  }
+  verdict("release_chain", rc.str().empty(), rc.str());
+  if (with_abort) {
+    // fail(): PE W-1 never launches; its inter-node partner PE G-1 (node 0) waits for it with a
+    // 1 s deadline, fails, and aborts every rank.
+    LedgerSpec fs = default_ledger_spec(N, G, size);
+    fs.absent = N * G - 1;
+    fs.waiter = G - 1;
+    const LedgerRun fr = run_ledger(fs, seed + 1);
+    const Counters a = max_over(fr.led.abort);
+    std::ostringstream os;
+    os << "fences " << a.v[kFences] << ", quiets " << a.v[kQuiets] << ", proxy fences ibgda/ibrc/libfabric "
+       << a.v[kProxyFencesIbgda] << "/" << a.v[kProxyFencesIbrc] << "/" << a.v[kProxyFencesLibfabric]
+       << ", waits on completion " << a.v[kConsistencyWaits] << ", signal ops " << a.v[kSignalOps];
+    verdict("fail", fr.led.any_abort && a.v[kFences] + a.v[kQuiets] + a.v[kConsistencyWaits] + a.v[kProxyFencesIbgda] +
+                                              a.v[kProxyFencesIbrc] + a.v[kProxyFencesLibfabric] == 0,
+            fr.led.any_abort ? os.str() : "no abort was recorded");
+  }
+  std::fflush(stdout);
+  if (!broken.empty()) {
+    std::ostringstream os;
+    os << "over budget:";
+    for (const auto& b : broken) os << " " << b;
+    throw Failure(os.str());
+  }
+}
+
+// The wire_budget cases join the list only when asked for by name (--only wire_budget): they
+// measure cost, not correctness, and hold the device protocol to the budget of
+// docs/gpu/emulation.md.
+bool g_budget_cases = false;
+
 std::vector<Case> make_cases(bool quick) {
   std::vector<Case> cs;
   auto add = [&](ReduceSpec s) {
@@ -1013,6 +1179,17 @@ std::vector<Case> make_cases(bool quick) {
                     [](uint64_t seed) { run_collision(2, 2, 1, seed); }});
   cs.push_back(Case{"mismatch 1x2 fused h (same element count)", [](uint64_t seed) { run_fused_mismatch(2, true, seed); }});
   cs.push_back(Case{"mismatch 1x3 fused eps", [](uint64_t seed) { run_fused_mismatch(3, false, seed); }});
+  if (g_budget_cases && !kTsan) {
+    const int budget_layouts[3][2] = {{2, 4}, {2, 8}, {4, 2}};
+    for (const auto& l : budget_layouts)
+      for (size_t size : {size_t{128} << 10, size_t{512} << 10, size_t{2} << 20}) {
+        const int N = l[0], G = l[1];
+        const bool with_abort = size == (size_t{128} << 10);  // fail() once per layout
+        cs.push_back(Case{"wire_budget " + std::to_string(N) + "x" + std::to_string(G) + " " +
+                              std::to_string(size >> 10) + "K" + (with_abort ? " (+fail)" : ""),
+                          [N, G, size, with_abort](uint64_t seed) { run_wire_budget(N, G, size, with_abort, seed); }});
+      }
+  }
   return cs;
 }
 
@@ -1076,6 +1253,20 @@ int ledger_main(int argc, char** argv, int first) {
       ls.channels = std::atoi(argv[++i]);
     } else if (a == "--kernel" && has) {
       ls.kernel = argv[++i];
+    } else if (a == "--gpu-defaults" && has) {
+      if (!parse_gpu_defaults(argv[++i], &g_gpu_defaults)) return bad(std::string("bad --gpu-defaults ") + argv[i]);
+      const GpuDefaults& d = g_gpu_defaults;
+      ls.max_blocks = d.max_blocks;
+      ls.block_bytes = d.block_bytes;
+      ls.max_bytes = d.max_bytes;
+      ls.ll_max_bytes = d.ll_max_bytes;
+      ls.have_ll = true;
+      if (d.oneshot_max.count(ls.G)) {
+        ls.oneshot_max = d.oneshot_max.at(ls.G);
+        ls.have_oneshot = true;
+      }
+      ls.channels = d.channels;
+      if (ls.pool_bytes == 0) ls.pool_bytes = 4096;
     } else if (a == "--device-code" && has) {
       ls.device_code = argv[++i];
     } else if (a == "--seed" && has) {
@@ -1131,6 +1322,12 @@ int main(int argc, char** argv) {
       seed_set = true;
     } else if (a == "--only" && i + 1 < argc) {
       only.push_back(argv[++i]);
+      if (only.back().find("wire_budget") != std::string::npos) g_budget_cases = true;
+    } else if (a == "--gpu-defaults" && i + 1 < argc) {
+      if (!parse_gpu_defaults(argv[++i], &g_gpu_defaults)) {
+        std::fprintf(stderr, "bad --gpu-defaults %s\n", argv[i]);
+        return 2;
+      }
     } else if (a == "--case-timeout" && i + 1 < argc) {
       case_timeout_s = std::atof(argv[++i]);
     } else if (a == "--repeat" && i + 1 < argc) {
@@ -1139,7 +1336,7 @@ int main(int argc, char** argv) {
       barrier_selftest();
       return 1;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--seed N] [--only SUBSTRING]... [--repeat K] [--case-timeout S] [--list] [--barrier-selftest]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--seed N] [--only SUBSTRING]... [--repeat K] [--case-timeout S] [--list] [--barrier-selftest] [--gpu-defaults K=V,...]\n       %s --ledger NxG SIZE [options]\n", argv[0], argv[0]);
       return 2;
     }
   }
