@@ -297,7 +297,8 @@ def _run_wire(args: argparse.Namespace) -> int:
         src = priced["extrapolated_from"]
         print(f"{w.name} (machine {w.machine}, {w.transport}): {priced['layout']} {format_size(priced['size'])},"
               f" kernel {priced['kernel']}, {priced['algorithm']}, {priced['chunks']} chunk(s),"
-              f" {priced['blocks']} block(s), channels {priced['channels']},"
+              f" {priced['blocks']} block(s),"
+              f" channels {priced['channels'] if priced['channels'] is not None else '- (one message per block)'},"
               f" protocols {'/'.join(priced['protocols']) or '-'}"
               + (f"; extrapolated from {src['layout']}" if src else ""))
         print(f"  {'chunk':>5} {'phase':14s} {'step':>4} {'protocol':10s} {'us':>8}  terms (us)")

@@ -13,18 +13,21 @@ The price is a tool for decisions (which plan, which threshold, which protocol),
 no number here was measured on a GPU. docs/gpu/wire-model.md has the table, the formula and the
 commands; the formula in short (per step, from the step's ``max`` counters, the slowest PE):
 
-* inter-node step, GPU-initiated transport (IBGDA): ``fences_before_data x fence + signal_ops_before_data
-  x atomic + messages_max_per_peer x post + proxy_fences x fence + bytes x share / nic_bw + one_way +
-  consistency_waits x consistency``;
+* inter-node step, GPU-initiated transport (IBGDA): ``ceil(fences_before_data / senders) x fence +
+  ceil(signal_ops_before_data / senders) x atomic + messages_max_per_peer x post + proxy_fences x
+  fence + bytes x share / nic_bw + one_way + consistency_waits x consistency``, senders = the PE's data
+  messages of the step (one per sending block: the ledger counts per PE, the blocks run in parallel);
 * inter-node step, CPU-proxy transport (IBRC, libfabric): every operation of the PE is one command
   to its one proxy thread, ``commands x proxy_cmd`` with ``commands = puts + put_signals + ll_puts +
   signal_ops + remote_atomics + fences + quiets + proxy_fences``, plus a round trip for every
-  operation that blocks the proxy thread (quiets, fences where the transport's fence is a quiet,
-  transport-inserted proxy fences), plus ``bytes x share / nic_bw + one_way + consistency_waits x
+  operation that blocks the proxy thread (quiets, fences where the transport's fence is a quiet),
+  plus ``proxy_fences x proxy_fence + bytes x share / nic_bw + one_way + consistency_waits x
   consistency``;
-* in-node phase: ``nvl_alpha + max(0, release_chain_max - 1) x chained_store + nvlink_bytes / nvl_bw``
-  (stage-in: ``release_chain_max x chained_store + 2 x chunk / hbm_bw``);
-* call: ``launch + sum over steps`` (a block runs its chunks one after another).
+* per chunk, in-node phases from the plan's algorithm (the ledger records the flags' release stores
+  under stage_in / one_shot / all_gather): stage-in ``2 x staged / hbm_bw``; the phase gated by the
+  ready flags (reduce-scatter or one-shot) and the all-gather ``nvl_alpha + max(0, release_chain_max
+  - 1) x chained_store + nvlink_bytes / nvl_bw``;
+* call: ``launch + sum over chunks of their phases`` (a block runs its chunks one after another).
 
 Extrapolation to more nodes (:func:`extrapolate`): inter-node recursive doubling over N nodes has
 ``log2 N'`` exchange steps (N' = 2^floor(log2 N)) plus a fold-in and a fold-out step when N > N';
@@ -50,12 +53,14 @@ __all__ = [
     "SCHEMA",
     "DECISION_NOTE",
     "COUNTERS",
+    "PRICED_COUNTERS",
     "WireProfile",
     "WIRES",
     "get_wire",
     "cost_table",
     "price",
-    "price_step",
+    "price_inter_step",
+    "price_chunk",
     "extrapolate",
     "inter_node_steps",
     "fastest",
@@ -78,6 +83,9 @@ COUNTERS: Tuple[str, ...] = (
     "proxy_fences_ibrc", "proxy_fences_libfabric", "consistency_waits", "inter_node_bytes",
     "release_chain_max", "sys_fences", "device_fences",
 )
+
+#: The counters the price depends on (sys_fences and device_fences are recorded, not priced).
+PRICED_COUNTERS: Tuple[str, ...] = tuple(c for c in COUNTERS if c not in ("sys_fences", "device_fences"))
 
 IN_NODE_PHASES = ("stage_in", "reduce_scatter", "one_shot", "all_gather")
 TRANSPORTS = ("ibgda", "ibrc", "libfabric")
@@ -360,58 +368,94 @@ def _net_share(wire: WireProfile, gpus: int) -> float:
 
 # --- pricing --------------------------------------------------------------------------------------
 
-def price_step(step: Mapping[str, Any], ledger: Mapping[str, Any], wire: WireProfile) -> Dict[str, Any]:
-    """The modelled time of one ledger step and its terms (us), from the step's ``max`` counters."""
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def price_inter_step(step: Mapping[str, Any], ledger: Mapping[str, Any], wire: WireProfile) -> Dict[str, Any]:
+    """The modelled time of one inter-node ledger step and its terms (us), from its ``max`` counters."""
+    if step.get("phase") != "inter_node":
+        raise ValueError(f"not an inter-node step: {step.get('phase')!r}")
     m = _counters(step.get("max", {}))
-    phase = step["phase"]
-    gpus = int(ledger["gpus_per_node"])
     terms: Dict[str, float] = {}
-    notes: List[str] = []
-    if phase == "inter_node":
-        proxy_fences = m[f"proxy_fences_{wire.transport}"]
-        if not wire.proxy:
-            terms["fences_before_data"] = m["fences_before_data"] * wire.fence_us
-            terms["signal_ops_before_data"] = m["signal_ops_before_data"] * wire.atomic_us
-            terms["messages"] = m["messages_max_per_peer"] * wire.post_us
-            terms["proxy_fences"] = proxy_fences * wire.fence_us
-            if m["fences"] + m["quiets"] > m["fences_before_data"] * max(1, int(ledger["plan"].get("blocks", 1))):
-                notes.append("fences or quiets after the first data message are not priced on IBGDA")
-        else:
-            commands = (m["puts"] + m["put_signals"] + m["ll_puts"] + m["signal_ops"] + m["remote_atomics"]
-                        + m["fences"] + m["quiets"] + proxy_fences)
-            terms["proxy_commands"] = commands * wire.proxy_cmd_us
-            blocking = m["quiets"] + (m["fences"] if wire.fence_is_quiet else 0)
-            terms["proxy_waits"] = blocking * wire.rtt_us
-            terms["proxy_fences"] = proxy_fences * wire.proxy_fence_us
-        terms["bytes"] = (m["inter_node_bytes"] * _net_share(wire, gpus)) / (wire.nic_bw_GBps * 1e3)
-        terms["one_way"] = wire.one_way_us
-        terms["consistency"] = m["consistency_waits"] * wire.consistency_us
-    elif phase in IN_NODE_PHASES:
-        length = _chunk_len(ledger, int(step.get("chunk", 0)))
-        chain = m["release_chain_max"]
-        if phase == "stage_in":
-            terms["release_chain"] = chain * wire.chained_store_us
-            terms["hbm"] = 2.0 * length / (wire.hbm_bw_GBps * 1e3)
-        else:
-            if gpus > 1:
-                terms["nvlink_latency"] = wire.nvl_alpha_us
-            terms["release_chain"] = max(0, chain - 1) * wire.chained_store_us
-            nvl_bytes = (gpus - 1) * length if phase == "one_shot" else (gpus - 1) * length / gpus
-            terms["nvlink_bytes"] = nvl_bytes / (wire.nvl_bw_GBps * 1e3)
+    proxy_fences = m[f"proxy_fences_{wire.transport}"]
+    if not wire.proxy:
+        # The ledger counts per PE, over its blocks; each block that sends (one data message
+        # each) issues its own before-data operations, in parallel with the others.
+        senders = max(1, m["puts"] + m["put_signals"] + m["ll_puts"])
+        terms["fences_before_data"] = _ceil_div(m["fences_before_data"], senders) * wire.fence_us
+        terms["signal_ops_before_data"] = _ceil_div(m["signal_ops_before_data"], senders) * wire.atomic_us
+        terms["messages"] = m["messages_max_per_peer"] * wire.post_us
+        terms["proxy_fences"] = proxy_fences * wire.fence_us
     else:
-        raise ValueError(f"unknown phase {phase!r} in wire ledger step {step.get('step')}")
-    out: Dict[str, Any] = {"chunk": step.get("chunk"), "phase": phase, "step": step.get("step"),
-                           "protocol": step.get("protocol"), "us": sum(terms.values()), "terms": terms}
-    if notes:
-        out["notes"] = notes
+        commands = (m["puts"] + m["put_signals"] + m["ll_puts"] + m["signal_ops"] + m["remote_atomics"]
+                    + m["fences"] + m["quiets"] + proxy_fences)
+        terms["proxy_commands"] = commands * wire.proxy_cmd_us
+        blocking = m["quiets"] + (m["fences"] if wire.fence_is_quiet else 0)
+        terms["proxy_waits"] = blocking * wire.rtt_us
+        terms["proxy_fences"] = proxy_fences * wire.proxy_fence_us
+    gpus = int(ledger["gpus_per_node"])
+    terms["bytes"] = (m["inter_node_bytes"] * _net_share(wire, gpus)) / (wire.nic_bw_GBps * 1e3)
+    terms["one_way"] = wire.one_way_us
+    terms["consistency"] = m["consistency_waits"] * wire.consistency_us
+    return {"chunk": step.get("chunk", 0), "phase": "inter_node", "step": step.get("step"),
+            "protocol": step.get("protocol"), "us": sum(terms.values()), "terms": terms}
+
+
+def _chain(steps: Sequence[Mapping[str, Any]], phases: Sequence[str]) -> int:
+    return max([_counters(s.get("max", {}))["release_chain_max"] for s in steps if s["phase"] in phases] or [0])
+
+
+def _in_node(chunk: int, phase: str, terms: Dict[str, float]) -> Dict[str, Any]:
+    return {"chunk": chunk, "phase": phase, "step": 0, "protocol": None, "us": sum(terms.values()),
+            "terms": terms}
+
+
+def price_chunk(ledger: Mapping[str, Any], chunk: int, wire: WireProfile) -> List[Dict[str, Any]]:
+    """The priced phases of one chunk, in order: stage-in, reduce-scatter (two-shot) or one-shot,
+    the inter-node steps, all-gather (two-shot). In-node phases follow the plan's algorithm whether
+    or not the ledger has a step for them (a phase that stores no flag records none)."""
+    steps = [s for s in ledger["steps"] if int(s.get("chunk", 0)) == chunk]
+    gpus = int(ledger["gpus_per_node"])
+    length = _chunk_len(ledger, chunk)
+    two_shot = ledger["plan"].get("algorithm", "two-shot") != "one-shot"
+    out: List[Dict[str, Any]] = []
+    if gpus > 1:
+        # Stage-in: my input copied into the symmetric buffer (two-shot: all but my own shard).
+        staged = (gpus - 1) * length / gpus if two_shot else length
+        out.append(_in_node(chunk, "stage_in", {"hbm": 2.0 * staged / (wire.hbm_bw_GBps * 1e3)}))
+        # The phase gated by stage-in's ready flags: one flag hop, the rest of a chain of release
+        # stores, the peers' shards (two-shot) or whole chunks (one-shot) over NVLink.
+        chain = _chain(steps, ("stage_in", "reduce_scatter", "one_shot"))
+        nvl_bytes = (gpus - 1) * length / gpus if two_shot else (gpus - 1) * length
+        out.append(_in_node(chunk, "reduce_scatter" if two_shot else "one_shot", {
+            "nvlink_latency": wire.nvl_alpha_us,
+            "release_chain": max(0, chain - 1) * wire.chained_store_us,
+            "nvlink_bytes": nvl_bytes / (wire.nvl_bw_GBps * 1e3)}))
+    out.extend(price_inter_step(s, ledger, wire) for s in steps if s["phase"] == "inter_node")
+    if gpus > 1 and two_shot:
+        chain = _chain(steps, ("all_gather",))
+        out.append(_in_node(chunk, "all_gather", {
+            "nvlink_latency": wire.nvl_alpha_us,
+            "release_chain": max(0, chain - 1) * wire.chained_store_us,
+            "nvlink_bytes": (gpus - 1) * length / gpus / (wire.nvl_bw_GBps * 1e3)}))
     return out
 
 
+def _chunks(ledger: Mapping[str, Any]) -> List[int]:
+    found = {int(s.get("chunk", 0)) for s in ledger["steps"]}
+    planned = int(ledger["plan"].get("chunks") or 0)
+    return sorted(found | set(range(planned)))
+
+
 def price(ledger: Mapping[str, Any], wire: "WireProfile | str") -> Dict[str, Any]:
-    """Modelled latency (us) of the call a ledger records, with a per-step breakdown."""
+    """Modelled latency (us) of the call a ledger records, with a per-phase, per-step breakdown."""
     w = get_wire(wire) if isinstance(wire, str) else wire
     _check(ledger)
-    steps = [price_step(s, ledger, w) for s in ledger["steps"]]
+    for s in ledger["steps"]:
+        if s["phase"] not in IN_NODE_PHASES + ("inter_node",):
+            raise ValueError(f"unknown phase {s['phase']!r} in wire ledger step {s.get('step')}")
+    steps = [p for c in _chunks(ledger) for p in price_chunk(ledger, c, w)]
     by_phase: Dict[str, float] = {}
     for s in steps:
         by_phase[s["phase"]] = by_phase.get(s["phase"], 0.0) + s["us"]
