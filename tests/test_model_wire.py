@@ -353,3 +353,15 @@ def test_alpha_beta_model_keeps_its_meaning():
     out = json.loads(_cli("--profile", "perlmutter", "--nodes", "2", "--bytes", "128K", "--json").stdout)
     assert out["profile"] == "perlmutter" and "nvrar" in out["predicted_us"]
     assert glob.glob(str(ROOT / "nvrar" / "model" / "wire.py"))
+
+
+def test_inter_node_byte_floor_by_hand():
+    # 3 nodes: fold-in, exchange, fold-out; the busiest PE sends in two of them. Two-shot, 2 chunks
+    # of 256 KB over 4 GPUs: 64 KB per sending step -> 2 x 2 x 65536.
+    led = _ledger(3, 4, 512 * KB, OLD_STEP, chunks=2, protocol="ll")
+    led["call"]["max"]["inter_node_bytes"] = 555
+    got = wire.inter_node_byte_floor(led)
+    assert got == {"floor": 262144.0, "budget": pytest.approx(262144 * 2.1), "measured": 555}
+    # one-shot with put-with-signal on 8 nodes: the whole 128 KB in each of 3 exchanges, 1.05x
+    one = wire.inter_node_byte_floor(_ledger(8, 2, 128 * KB, PLAN_B, algorithm="one-shot"))
+    assert one["floor"] == 3 * 131072 and one["budget"] == pytest.approx(3 * 131072 * 1.05)

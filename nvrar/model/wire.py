@@ -67,6 +67,7 @@ __all__ = [
     "rank",
     "price_channels",
     "best_channels",
+    "inter_node_byte_floor",
     "load_ledger",
     "load_ledgers",
     "ledger_for",
@@ -648,3 +649,32 @@ def comparison_table(wire: "WireProfile | str", old: Sequence[Mapping[str, Any]]
                 cell["nccl_over_old"] = cell["nccl"]["us"] / cell["old"]["us"]
             row[str(n)] = cell
     return {"wire": w.name, "machine": w.machine, "gpus_per_node": g, "table": rows, "note": DECISION_NOTE}
+
+
+# --- byte floors ----------------------------------------------------------------------------------
+
+def inter_node_byte_floor(ledger: Mapping[str, Any]) -> Dict[str, Any]:
+    """The fewest inter-node bytes one PE must send in the call the ledger records, and a budget.
+
+    Per chunk of ``len`` bytes, the PE that sends most sends in every exchange step and in one fold
+    step (when N is not a power of two): ``len / G`` each for two-shot, ``len`` for one-shot.
+    ``budget`` allows 1.05x of a put-with-signal step's floor and 1.05 / ll_efficiency (2.1x) of an
+    LL step's (the flag half of each LL packet), by the protocol each inter-node step of the plan
+    uses. Returns {"floor", "budget", "measured"} in bytes (measured: the ledger's call maximum).
+    """
+    _check(ledger)
+    nodes, gpus = int(ledger["nodes"]), int(ledger["gpus_per_node"])
+    kinds = inter_node_steps(nodes)
+    sending = [k for k in kinds if k != "fold_out"]  # the busiest PE sends in one of the two folds
+    protocol = {int(s["step"]): s.get("protocol") for s in ledger["plan"].get("inter_steps", [])}
+    two_shot = ledger["plan"].get("algorithm", "two-shot") != "one-shot"
+    ll = 1.05 / H100_NDR_IBGDA.ll_efficiency
+    floor = budget = 0.0
+    for chunk in _chunks(ledger):
+        length = _chunk_len(ledger, chunk)
+        per_step = length / gpus if two_shot else float(length)
+        for i, _ in enumerate(sending):
+            floor += per_step
+            budget += per_step * (ll if protocol.get(i) == "ll" else 1.05)
+    measured = int(_counters(ledger.get("call", {}).get("max", {}))["inter_node_bytes"])
+    return {"floor": floor, "budget": budget, "measured": measured}
