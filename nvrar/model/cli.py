@@ -296,7 +296,9 @@ def _run_wire(args: argparse.Namespace) -> int:
         print(f"# {wire_model.DECISION_NOTE}")
         src = priced["extrapolated_from"]
         print(f"{w.name} (machine {w.machine}, {w.transport}): {priced['layout']} {format_size(priced['size'])},"
-              f" kernel {priced['kernel']}, {priced['algorithm']}, {priced['chunks']} chunk(s),"
+              f" kernel {priced['kernel']}"
+              + (f" (device code {priced['device_code']})" if priced.get("device_code") else "")
+              + f", {priced['algorithm']}, {priced['chunks']} chunk(s),"
               f" {priced['blocks']} block(s),"
               f" channels {priced['channels'] if priced['channels'] is not None else '- (one message per block)'},"
               f" protocols {'/'.join(priced['protocols']) or '-'}"

@@ -465,7 +465,8 @@ def price(ledger: Mapping[str, Any], wire: "WireProfile | str") -> Dict[str, Any
     return {
         "wire": w.name, "machine": w.machine, "transport": w.transport,
         "layout": f"{ledger['nodes']}x{ledger['gpus_per_node']}", "size": int(ledger["size"]),
-        "kernel": ledger.get("kernel"), "algorithm": plan.get("algorithm"), "chunks": plan.get("chunks"),
+        "kernel": ledger.get("kernel"), "device_code": ledger.get("device_code"),
+        "algorithm": plan.get("algorithm"), "chunks": plan.get("chunks"),
         "blocks": plan.get("blocks"), "channels": plan.get("channels"),
         "protocols": sorted({str(s.get("protocol")) for s in ledger["steps"] if s.get("protocol")}),
         "extrapolated_from": ledger.get("extrapolated_from"),
@@ -616,7 +617,8 @@ def kernel_cell(ledgers: Sequence[Mapping[str, Any]], nodes: int, gpus: int, siz
         how = f"extrapolated from {most}x{gpus}"
     priced = price(led, wire)
     return {"us": priced["total_us"], "how": how, "algorithm": priced["algorithm"],
-            "protocols": priced["protocols"], "kernel": priced["kernel"]}
+            "protocols": priced["protocols"], "kernel": priced["kernel"],
+            "device_code": priced["device_code"]}
 
 
 def nccl_cell(nodes: int, gpus: int, size: int, wire: WireProfile) -> Dict[str, Any]:
