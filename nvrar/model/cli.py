@@ -19,6 +19,7 @@ from .fit import BACKENDS, fit, load_bench
 from .latency import predict
 from .plan import make_plan
 from .profiles import PARAMS, PROFILES, Profile, get_profile
+from . import wire as wire_model
 
 __all__ = ["register", "parse_size", "format_size"]
 
@@ -133,6 +134,8 @@ _ORDER = ("nvrar", "nccl", "nccl_ring", "nccl_tree", "flat_rd")
 
 
 def _run_model(args: argparse.Namespace) -> int:
+    if args.ledger or args.wire_table or args.wire:
+        return _run_wire(args)
     profile = _profile(args)
     gpus = args.gpus_per_node or profile.gpus_per_node
     if args.anchors:
@@ -230,6 +233,131 @@ def _plot(path: str, profile: Profile, nodes: int, gpus: int, size: int) -> None
     plt.close(fig)
 
 
+# --- model over the wire ledger (--ledger / --wire / --wire-table) ------------------------------
+
+_DEFAULT_OLD_LEDGERS = os.path.join("docs", "gpu", "ledgers")
+
+
+def _ledger_dir(path: Optional[str], default: bool) -> Optional[str]:
+    """The directory given, else (for the old kernel) docs/gpu/ledgers from the working directory
+    or, failing that, from the source tree this package was loaded from."""
+    if path:
+        if not os.path.isdir(path):
+            raise SystemExit(f"nvrar model: {path}: not a directory of wire ledgers")
+        return path
+    if not default:
+        return None
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir)
+    for base in (os.getcwd(), os.path.normpath(here)):
+        candidate = os.path.join(base, _DEFAULT_OLD_LEDGERS)
+        if os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+def _print_cost_table(w: "wire_model.WireProfile") -> None:
+    print(f"wire profile {w.name}: {w.description}")
+    print(f"extends machine profile {w.machine}; transport {w.transport}"
+          f" ({'CPU proxy' if w.proxy else 'GPU-initiated'})")
+    for row in wire_model.cost_table(w):
+        tag = "  [estimate]" if row["estimate"] else ""
+        print(f"  {row['name']:17s} {row['value']:8.3g} {row['unit']:5s} {row['source']}{tag}")
+
+
+def _cell_text(cell: Optional[Dict[str, Any]]) -> str:
+    if cell is None:
+        return "-"
+    tag = "L" if cell["how"] == "ledger" else "E"
+    return f"{cell['us']:.1f} {tag}"
+
+
+def _run_wire(args: argparse.Namespace) -> int:
+    if not args.wire:
+        print("nvrar model: --ledger and --wire-table need --wire NAME"
+              f" ({', '.join(wire_model.WIRES)})", file=sys.stderr)
+        return 2
+    try:
+        w = wire_model.get_wire(args.wire)
+    except KeyError as exc:
+        print(f"nvrar model: {exc.args[0]}", file=sys.stderr)
+        return 2
+    if args.ledger:
+        try:
+            ledger = wire_model.load_ledger(args.ledger)
+            if args.nodes is not None and args.nodes != ledger["nodes"]:
+                ledger = wire_model.extrapolate(ledger, args.nodes)
+            priced = wire_model.price(ledger, w)
+        except (OSError, ValueError) as exc:
+            print(f"nvrar model: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            _print_json(priced)
+            return 0
+        print(f"# {wire_model.DECISION_NOTE}")
+        src = priced["extrapolated_from"]
+        print(f"{w.name} (machine {w.machine}, {w.transport}): {priced['layout']} {format_size(priced['size'])},"
+              f" kernel {priced['kernel']}"
+              + (f" (device code {priced['device_code']})" if priced.get("device_code") else "")
+              + f", {priced['algorithm']}, {priced['chunks']} chunk(s),"
+              f" {priced['blocks']} block(s),"
+              f" channels {priced['channels'] if priced['channels'] is not None else '- (one message per block)'},"
+              f" protocols {'/'.join(priced['protocols']) or '-'}"
+              + (f"; extrapolated from {src['layout']}" if src else ""))
+        print(f"  {'chunk':>5} {'phase':14s} {'step':>4} {'protocol':10s} {'us':>8}  terms (us)")
+        for s in priced["steps"]:
+            terms = ", ".join(f"{k} {v:.2f}" for k, v in s["terms"].items() if v)
+            print(f"  {s['chunk']!s:>5} {s['phase']:14s} {s['step']!s:>4} {s['protocol'] or '-':10s}"
+                  f" {s['us']:8.2f}  {terms}")
+            for note in s.get("notes", []):
+                print(f"        note: {note}")
+        print(f"  launch {priced['launch_us']:.2f} us; by phase: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in priced["by_phase_us"].items()))
+        print(f"  modelled call: {priced['total_us']:.1f} us (a tool for decisions, never a result)")
+        return 0
+    if args.wire_table:
+        old_dir = _ledger_dir(args.old_ledgers, default=True)
+        new_dir = _ledger_dir(args.new_ledgers, default=False)
+        old = wire_model.load_ledgers(old_dir) if old_dir else []
+        new = wire_model.load_ledgers(new_dir) if new_dir else []
+        try:
+            table = wire_model.comparison_table(w, old, new, gpus=args.gpus_per_node, dtype=args.dtype)
+        except ValueError as exc:
+            print(f"nvrar model: {exc}", file=sys.stderr)
+            return 2
+        table["old_ledgers"], table["new_ledgers"] = old_dir, new_dir
+        if args.json:
+            _print_json(table)
+            return 0
+        g = table["gpus_per_node"]
+        print(f"# {wire_model.DECISION_NOTE}")
+        print(f"# {w.name} (machine {w.machine}, {w.transport}), {g} GPUs per node; modelled us per call."
+              f" old: {old_dir or 'no ledgers'}; new: {new_dir or 'no ledgers'}")
+        print("# L: priced ledger of that layout; E: extrapolated from the ledger of the most nodes"
+              " (log2 N' exchange steps + 2 folds if N > N'); NCCL: M measured (published, anchors.py),"
+              " m modelled (nvrar.model.latency); 3x+: the new kernel beats NCCL by 3x or more")
+        print("| size | nodes | old kernel (us) | new kernel (us) | NCCL (us) | NCCL / old | NCCL / new |")
+        print("|---|---|---|---|---|---|---|")
+        for size, row in table["table"].items():
+            for n, cell in row.items():
+                nccl = cell["nccl"]
+                ratio_old = f"{cell['nccl_over_old']:.2f}x" if "nccl_over_old" in cell else "-"
+                ratio_new = "-"
+                if "nccl_over_new" in cell:
+                    r = cell["nccl_over_new"]
+                    ratio_new = f"{r:.2f}x" + (" 3x+" if r >= 3.0 else "")
+                print(f"| {format_size(int(size))} | {n}x{g} | {_cell_text(cell['old'])} | {_cell_text(cell['new'])}"
+                      f" | {nccl['us']:.1f} {'M' if nccl['how'] == 'measured' else 'm'} | {ratio_old}"
+                      f" | {ratio_new} |")
+        return 0
+    if args.json:
+        _print_json({"wire": w.name, "machine": w.machine, "transport": w.transport,
+                     "costs": wire_model.cost_table(w), "note": wire_model.DECISION_NOTE})
+        return 0
+    print(f"# {wire_model.DECISION_NOTE}")
+    _print_cost_table(w)
+    return 0
+
+
 # --- fit ----------------------------------------------------------------------------------------
 
 def _run_fit(args: argparse.Namespace) -> int:
@@ -289,6 +417,19 @@ def register(subparsers: Any) -> None:
                        help="NCCL/nvrar ratio table: 128K-2M x 2, 4, 8, 16 nodes")
     model.add_argument("--anchor-profile", default=None,
                        help="with --anchors: whose anchors (default: the profile's name)")
+    model.add_argument("--wire", default=None, metavar="NAME",
+                       help="wire profile of the ledger cost model: " + ", ".join(wire_model.WIRES)
+                       + " (alone: print its per-operation costs with sources)")
+    model.add_argument("--ledger", default=None, metavar="FILE",
+                       help="price the wire ledger FILE (scripts/emulate.sh --ledger) under --wire, per step;"
+                            " with --nodes N, extrapolated to N nodes")
+    model.add_argument("--wire-table", action="store_true",
+                       help="with --wire: old kernel, new kernel and NCCL side by side, 128K-2M x 2, 4, 8, 16 nodes")
+    model.add_argument("--old-ledgers", default=None, metavar="DIR",
+                       help="with --wire-table: the old kernel's ledgers (default: docs/gpu/ledgers)")
+    model.add_argument("--new-ledgers", default=None, metavar="DIR",
+                       help="with --wire-table: the new kernel's ledgers (default: none)")
+    model.add_argument("--dtype", default=None, help="with --wire-table: only ledgers of this dtype")
     model.set_defaults(func=_pipe_safe(_run_model))
 
     fitp = subparsers.add_parser(
