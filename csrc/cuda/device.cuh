@@ -39,15 +39,25 @@ __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQua
 // NOTE [gpu call description]: every flag cell (ready, final, inter: 64 bytes) holds, like the CPU
 // executor's cells (csrc/cpu/segment.h), the flag word, two aux words and then the sender's
 // CallDesc (protocol/desc.h) at word kCellDesc. In node (a peer's store over NVLink) the four
-// words are stored before the flag word's release. Across nodes (send_desc) the sender writes
-// them into the receiver's inter cell of the step first: stores where nvshmem_ptr reaches the
-// cell (direct mode), then __threadfence_system; else four nvshmemx_signal_op (a value put with
-// no source buffer, so no symmetric staging and no layout change), then nvshmem_fence, which
-// orders them before the step's data put-with-signal or LL packets to the same PE. An LL step
-// uses the inter cell of its (parity, slot, slice) too (ll_cell: the LL path has no flag word
-// there). The receiver compares the words with this block's description once the flag (wait)
-// or every LL packet (wait_ll) arrived, before the caller sees the aux words or touches the
-// sender's data; a mismatch fails with kMismatch and aborts every rank.
+// words are stored before the flag word's release, and compared after the flag's acquire.
+// Across nodes the description travels inside the step's own message, so that it costs no
+// operation, no fence and no round trip of its own:
+//   put-with-signal: the sender writes a trailer (the four words, then the step's flag word)
+//     into its own source slice right behind the data (at the data's end rounded up to 8 bytes:
+//     the slice has kGpuDescRoom bytes of room, SegmentLayout::desc_room) and puts data and
+//     trailer in ONE nvshmemx_putmem_signal_nbi_block; NVSHMEM delivers the signal after every
+//     byte of that put. The receiver, once the signal arrived (and nvshmem_uint64_wait_until's
+//     consistency step), reads the trailer at its own expected place (the zone of the step, at
+//     its expected shard size: set_inter_bytes) and compares all five words: another call's
+//     description, another shard size (the trailer is elsewhere: what is read is an older
+//     round's, whose flag word differs) or an older round all fail with kMismatch.
+//   LL: packets 0..7 of the step's stream carry the four words (low, high halves) under the
+//     packets' usual flag; the data's packets follow (the LL zone has room for them). The
+//     receiver waits for the eight first and compares them (a mismatch is named as such even
+//     where the other call sends fewer packets), then waits for the data's packets; it zeroes
+//     all of them when it unpacks (NOTE [LL zones]).
+// A mismatch fails with kMismatch and aborts every rank, before any of the sender's data or
+// offsets is used.
 constexpr int kCellDesc = 3;
 
 // Per-block workspace of protocol/round.h, in shared memory.
@@ -84,26 +94,26 @@ struct GpuTransport {
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ void sync() const { __syncthreads(); }
 
-  // The inter cell of the LL zone at `off` (same parity, slot and slice: plan.h orders both the
-  // same way), which carries the LL step's description (NOTE [gpu call description]).
-  __device__ size_t ll_cell(size_t off) const {
-    const SegmentLayout& L = kp.cfg.L;
-    return L.inter_cell(0, 0, 0) + (off - L.llzones_off) / L.ll_slice_bytes * L.cell_stride;
+  // The bytes of this slice's inter-node messages in the round in flight (the shard, or the whole
+  // slice for one-shot): where a put-with-signal's trailer lies (NOTE [gpu call description]).
+  // protocol/round.h sets it before the inter-node steps.
+  size_t inter_bytes = 0;
+  __device__ void set_inter_bytes(size_t bytes) { inter_bytes = bytes; }
+
+  // Where the trailer of a put of `bytes` data bytes starting at `data` lies.
+  __device__ static uint64_t* trailer_of(char* data, size_t bytes) {
+    return reinterpret_cast<uint64_t*>(data + align_up(bytes, 8));
   }
 
-  // Leader only: my description into the description words of `rank`'s cell at `cell`, ordered
-  // before whatever I put to `rank` next (NOTE [gpu call description]).
-  __device__ void send_desc(int rank, size_t cell) {
-    uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
-    uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(c, rank));
-    const uint64_t words[kDescWords] = {desc.count, desc.code, desc.n, desc.shape};
-    if (direct != nullptr) {
-      for (unsigned k = 0; k < kDescWords; ++k) st_relaxed_sys(direct + kCellDesc + k, words[k]);
-      __threadfence_system();
-    } else {
-      for (unsigned k = 0; k < kDescWords; ++k) nvshmemx_signal_op(c + kCellDesc + k, words[k], NVSHMEM_SIGNAL_SET, rank);
-      nvshmem_fence();
-    }
+  // The zone that the inter cell at `cell` flags (same parity, slot and slice: plan.h).
+  __device__ size_t inter_zone(size_t cell) const {
+    const SegmentLayout& L = kp.cfg.L;
+    const size_t idx = (cell - L.inter_cell(0, 0, 0)) / L.cell_stride;
+    const size_t per_parity = static_cast<size_t>(L.S) * static_cast<size_t>(L.B);
+    const int parity = static_cast<int>(idx / per_parity);
+    const int slot = static_cast<int>(idx % per_parity / static_cast<size_t>(L.B));
+    const int b = static_cast<int>(idx % static_cast<size_t>(L.B));
+    return L.zone(parity, slot, b);
   }
 
   // Leader only: whether the description words of my cell at `cell` are this block's description.
@@ -114,15 +124,30 @@ struct GpuTransport {
     return desc_equal(theirs, desc);
   }
 
-  // round.h signals the G-1 local peers back to back: the first signal waits for the block and
-  // fences once, the others are release stores alone (nothing was written in between).
+  // Leader only: whether the trailer of the put flagged in the inter cell `cell` holds this
+  // block's description and the round's flag word `word`.
+  __device__ bool trailer_matches(size_t cell, uint64_t word) const {
+    const uint64_t* t = trailer_of(kp.my + inter_zone(cell), inter_bytes);
+    const CallDesc theirs{ld_relaxed_sys(t + 0), ld_relaxed_sys(t + 1), ld_relaxed_sys(t + 2), ld_relaxed_sys(t + 3)};
+    return desc_equal(theirs, desc) && ld_relaxed_sys(t + kDescWords) == word;
+  }
+
+  // round.h signals the G-1 local peers one after the other; each flag is stored by its own lane
+  // (lane i: the i-th peer after me), so the G-1 stores go out in parallel, each thread issuing
+  // one system-scope release store per phase, not one thread G-1 back to back (each waiting for
+  // the previous one's acknowledgement over NVLink). The first signal of a phase waits for the
+  // block (its writes are done: the barrier orders them before every lane's release, which is
+  // cumulative); no barrier between the signals (nothing is written in between).
+  __device__ int signal_lane(int rank) const {
+    const Layout& w = kp.cfg.where;
+    return ((rank - w.rank + w.G) % w.G - 1) % static_cast<int>(blockDim.x);
+  }
   __device__ void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
     if (dirty) {
       __syncthreads();  // the block's writes of this phase are done
-      if (threadIdx.x == 0) __threadfence_system();
       dirty = false;
     }
-    if (threadIdx.x == 0) {
+    if (static_cast<int>(threadIdx.x) == signal_lane(rank)) {
       uint64_t* c = reinterpret_cast<uint64_t*>(base(rank) + cell);
       st_relaxed_sys(c + 1, aux0);
       st_relaxed_sys(c + 2, aux1);
@@ -152,35 +177,38 @@ struct GpuTransport {
     }
   }
 
-  // Leader only: record the first failure of this rank and abort every rank (NOTE [gpu deadlines]).
+  // The abort word: one 64-bit word that says all an abort says (NOTE [gpu deadlines]): bit 63
+  // set, the kind of the failure in bits 32..62, the origin (the rank that failed first) in bits
+  // 0..31. One store or one signal carries it whole: nothing has to be ordered before it.
+  static constexpr uint64_t kAbortBit = uint64_t{1} << 63;
+  __device__ static uint64_t abort_word(ProtocolErrorKindCode kind, int origin) {
+    return kAbortBit | (static_cast<uint64_t>(kind & 0x7fffffffu) << 32) | static_cast<uint32_t>(origin);
+  }
+
+  // Leader only: record the first failure of this rank and abort every rank (NOTE [gpu deadlines]):
+  // one release store per local rank, one signal per remote PE; no fence, no quiet, no wait on
+  // any completion (a dead peer NIC cannot hold the way out).
   __device__ void fail(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
                        int origin) {
     record(kind, phase, step, peer, epoch, observed, origin);
     const Layout& w = kp.cfg.where;
     const size_t abort_off = kp.cfg.L.abort_cell();
-    const uint64_t aux = static_cast<uint64_t>(origin) | (static_cast<uint64_t>(kind) << 32);
-    const uint64_t word = flag_word(epoch, 1);
+    const uint64_t word = abort_word(kind, origin);
     for (int r = 0; r < w.world; ++r) {
-      if (r / w.G == w.node) {
-        uint64_t* c = reinterpret_cast<uint64_t*>(base(r) + abort_off);
-        st_relaxed_sys(c + 1, aux);
-        st_release_sys(c, word);
-      } else {
-        // Remote: aux first, fenced, then the word (signals to one PE may land out of order).
-        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(kp.my + abort_off) + 1, aux, NVSHMEM_SIGNAL_SET, r);
-        nvshmem_fence();
+      if (r / w.G == w.node)
+        st_release_sys(reinterpret_cast<uint64_t*>(base(r) + abort_off), word);
+      else
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(kp.my + abort_off), word, NVSHMEM_SIGNAL_SET, r);
-      }
     }
   }
 
-  // Leader only: true while no abort arrived; else records it.
+  // Leader only: true while no abort arrived; else records it (kind and origin from the word).
   __device__ bool aborted(Phase phase, int step, int peer, uint64_t epoch) {
     const uint64_t* c = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
-    if (ld_acquire_sys(c) == 0) return false;
-    const uint64_t aux = ld_relaxed_sys(c + 1);
-    const uint32_t kind = static_cast<uint32_t>(aux >> 32);
-    const int origin = aux == 0 ? -1 : static_cast<int>(aux & 0xffffffffu);
+    const uint64_t v = ld_relaxed_sys(c);
+    if (v == 0) return false;
+    const uint32_t kind = static_cast<uint32_t>(v >> 32) & 0x7fffffffu;
+    const int origin = static_cast<int>(static_cast<uint32_t>(v));
     record(kind == 0 ? kPeerAbortCode : kind, phase, step, peer, epoch, 0, origin);
     return true;
   }
@@ -196,7 +224,8 @@ struct GpuTransport {
       uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
       const uint64_t target = flag_word(e, 0);
       const uint64_t start = globaltimer();
-      uint64_t v = ld_acquire_sys(c);
+      // Relaxed polls; one acquire once the flag is there (it orders the sender's writes).
+      uint64_t v = ld_relaxed_sys(c);
       int ok = 1;
       unsigned backoff = 32, polls = 0;
       while (v < target) {
@@ -216,8 +245,9 @@ struct GpuTransport {
           __nanosleep(backoff);
           if (backoff < kMaxBackoffNs) backoff *= 2;
         }
-        v = ld_acquire_sys(c);
+        v = ld_relaxed_sys(c);
       }
+      if (ok) v = ld_acquire_sys(c);
       if (ok && flag_epoch(v) != e) {
         fail(kViolationCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
@@ -226,14 +256,15 @@ struct GpuTransport {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
-      if (ok && cell >= kp.cfg.L.inter_cell(0, 0, 0)) {
+      const bool inter = cell >= kp.cfg.L.inter_cell(0, 0, 0);
+      if (ok && inter) {
         // Written by an NVSHMEM signal: returns at once, and adds the consistency step that
-        // makes the signal's data visible (proxy transports included), the description's too.
+        // makes the signal's data visible (proxy transports included), the trailer's too.
         nvshmem_uint64_wait_until(c, NVSHMEM_CMP_GE, target);
       }
-      // The sender's description (stored before the flag's release in node, put and fenced
-      // before the data and signal across nodes) must be mine.
-      if (ok && !desc_matches(cell)) {
+      // The sender's description (in node: stored before the flag's release; across nodes: the
+      // trailer of the put, NOTE [gpu call description]) must be mine.
+      if (ok && !(inter ? trailer_matches(cell, v) : desc_matches(cell))) {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
@@ -260,37 +291,54 @@ struct GpuTransport {
     return true;
   }
 
+  // The data and its trailer (NOTE [gpu call description]) in one put, then the signal. `src` is a
+  // slot of my segment (a result or zone slice) with kGpuDescRoom bytes of room behind the data.
   __device__ bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
     dirty = true;
     __syncthreads();
+    uint64_t* t = trailer_of(const_cast<char*>(src), bytes);
     if (threadIdx.x == 0) {
+      st_relaxed_sys(t + 0, desc.count);
+      st_relaxed_sys(t + 1, desc.code);
+      st_relaxed_sys(t + 2, desc.n);
+      st_relaxed_sys(t + 3, desc.shape);
+      st_relaxed_sys(t + kDescWords, word);
       __threadfence();
-      send_desc(rank, cell);
     }
     __syncthreads();
-    nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, bytes, reinterpret_cast<uint64_t*>(kp.my + cell), word,
+    const size_t wire = static_cast<size_t>(reinterpret_cast<char*>(t + kTrailerWords) - src);
+    nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, wire, reinterpret_cast<uint64_t*>(kp.my + cell), word,
                                      NVSHMEM_SIGNAL_SET, rank);
     return true;
   }
 
+  // The description's packets (NOTE [gpu call description]), then the data's: one stream.
   __device__ bool put_ll(int rank, size_t dst_off, size_t out_off, const char* src, size_t bytes, uint32_t flag) {
     dirty = true;
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();  // my earlier zeroing of LL zones is ordered before
-      send_desc(rank, ll_cell(dst_off));
-    }
+    if (threadIdx.x == 0) __threadfence_system();  // my earlier zeroing of LL zones is ordered before
     __syncthreads();
-    const size_t n = ll_packets(bytes);
+    const size_t n = kDescPackets + ll_packets(bytes);
     const size_t nq = ll_quads(bytes);
+    constexpr size_t kDescQuads = kDescPackets / kLLQuad;
     uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(kp.my + dst_off, rank));
     // One quad (4 packets: a 16-byte payload load, two 16-byte stores) per thread and turn.
     uint64_t* to = direct != nullptr ? direct : reinterpret_cast<uint64_t*>(kp.my + out_off);
-    for (size_t q = threadIdx.x; q < nq; q += blockDim.x) {
+    const uint64_t hi = static_cast<uint64_t>(flag) << 32;
+    for (size_t q = threadIdx.x; q < kDescQuads + nq; q += blockDim.x) {
       uint64_t pk[kLLQuad];
-      ll_make_quad(src, bytes, q, flag, pk);
+      if (q < kDescQuads) {
+        const uint64_t a = q == 0 ? desc.count : desc.n, b = q == 0 ? desc.code : desc.shape;
+        pk[0] = hi | (a & 0xffffffffu);
+        pk[1] = hi | (a >> 32);
+        pk[2] = hi | (b & 0xffffffffu);
+        pk[3] = hi | (b >> 32);
+        st_quad(to + q * kLLQuad, pk, kLLQuad);
+        continue;
+      }
+      ll_make_quad(src, bytes, q - kDescQuads, flag, pk);
       // Load/store reachable (NVLink, or a PE on this GPU): each 8-byte packet arrives whole.
-      st_quad(to + q * kLLQuad, pk, ll_quad_size(bytes, q));
+      st_quad(to + q * kLLQuad, pk, ll_quad_size(bytes, q - kDescQuads));
     }
     __syncthreads();
     if (direct != nullptr) return true;
@@ -299,19 +347,13 @@ struct GpuTransport {
     return true;
   }
 
-  // Every thread polls its own packets. The first failure a thread sees claims sh.ok (1 -> code,
-  // compare-and-swap, so it is never overwritten); the others stop as soon as sh.ok is not 1.
-  __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
-    dirty = true;
-    constexpr int kLLTimedOut = 0, kLLMismatched = -1, kLLAborted = -2;  // sh.ok once a thread failed
-    const uint32_t flag = ll_flag(e, sig);
-    const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
+  // Threads poll packets [lo, hi) of the stream at pk, each its own. The first failure a thread
+  // sees claims sh.ok (1 -> code, compare-and-swap, so it is never overwritten); the others stop
+  // as soon as sh.ok is not 1.
+  static constexpr int kLLTimedOut = 0, kLLMismatched = -1, kLLAborted = -2;  // sh.ok once a thread failed
+  __device__ void ll_poll(const uint64_t* pk, size_t lo, size_t hi, uint32_t flag, uint64_t start) {
     const uint64_t* abort_word = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
-    const size_t n = ll_packets(bytes);
-    const uint64_t start = globaltimer();
-    if (threadIdx.x == 0) sh.ok = 1;
-    __syncthreads();
-    for (size_t i = threadIdx.x; i < n && ld_volatile(&sh.ok) == 1; i += blockDim.x) {
+    for (size_t i = lo + threadIdx.x; i < hi && ld_volatile(&sh.ok) == 1; i += blockDim.x) {
       int st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
       unsigned spins = 0;
       while (st == 0) {
@@ -331,13 +373,30 @@ struct GpuTransport {
       }
       if (st < 0) atomicCAS(&sh.ok, 1, kLLMismatched);
     }
+  }
+
+  // Leader only: whether the description packets of the stream at pk (arrived) are this block's.
+  __device__ bool ll_desc_matches(const uint64_t* pk) const {
+    uint64_t w[kDescPackets];
+    for (unsigned k = 0; k < kDescPackets; ++k) w[k] = ld_relaxed_sys(pk + k) & 0xffffffffu;
+    const CallDesc theirs{w[0] | (w[1] << 32), w[2] | (w[3] << 32), w[4] | (w[5] << 32), w[6] | (w[7] << 32)};
+    return desc_equal(theirs, desc);
+  }
+
+  // The description's packets first, compared (NOTE [gpu call description]), then the data's.
+  // Each packet carries its own flag: no fence, no acquire.
+  __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
+    dirty = true;
+    const uint32_t flag = ll_flag(e, sig);
+    const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
+    const uint64_t start = globaltimer();
+    if (threadIdx.x == 0) sh.ok = 1;
     __syncthreads();
-    if (threadIdx.x == 0 && sh.ok == 1) {
-      // Every packet arrived: the description, fenced before them, did too (NOTE [gpu call
-      // description]); it must be mine before the caller unpacks anything.
-      __threadfence_system();
-      if (!desc_matches(ll_cell(off))) sh.ok = kLLMismatched;
-    }
+    ll_poll(pk, 0, kDescPackets, flag, start);
+    __syncthreads();
+    if (threadIdx.x == 0 && sh.ok == 1 && !ll_desc_matches(pk)) sh.ok = kLLMismatched;
+    __syncthreads();
+    ll_poll(pk, kDescPackets, kDescPackets + ll_packets(bytes), flag, start);
     __syncthreads();
     const int result = sh.ok;
     if (threadIdx.x == 0 && result != 1) {
@@ -352,10 +411,14 @@ struct GpuTransport {
     return result == 1;
   }
 
+  // The data's packets to dst, then every packet of the stream zeroed, the description's too.
   __device__ void ll_unpack(char* dst, size_t off, size_t bytes) {
     dirty = true;
-    uint64_t* zone = reinterpret_cast<uint64_t*>(kp.my + off);
+    uint64_t* stream = reinterpret_cast<uint64_t*>(kp.my + off);
+    uint64_t* zone = stream + kDescPackets;
     const size_t nq = ll_quads(bytes);
+    const uint64_t zero[kLLQuad] = {0, 0, 0, 0};
+    for (size_t q = threadIdx.x; q < kDescPackets / kLLQuad; q += blockDim.x) st_quad(stream + q * kLLQuad, zero, kLLQuad);
     for (size_t q = threadIdx.x; q < nq; q += blockDim.x) {
       uint64_t* p = zone + q * kLLQuad;
       const size_t m = ll_quad_size(bytes, q);
@@ -367,7 +430,6 @@ struct GpuTransport {
         for (size_t k = 0; k < m; ++k) pk[k] = ld_relaxed_sys(p + k);
       }
       ll_store_quad(dst, bytes, q, pk);
-      const uint64_t zero[kLLQuad] = {0, 0, 0, 0};
       st_quad(p, zero, m);  // NOTE [LL zones]
     }
     __syncthreads();

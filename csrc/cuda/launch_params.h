@@ -10,6 +10,7 @@
 
 #include "../common/error.h"
 #include "../protocol/call.h"
+#include "../protocol/desc.h"
 #include "../protocol/epilogue.h"
 #include "gpu_api.h"
 #include "params.h"
@@ -35,7 +36,7 @@ inline ExecutorGeometry executor_geometry(const GpuConfig& in) {
   g.where = Layout::make(in.world, in.ranks_per_node, in.rank);
   const size_t ll = g.where.N > 1 ? in.ll_max_bytes : 0;
   g.layout = SegmentLayout::make(in.ranks_per_node, g.where.N, g.cfg.max_bytes, in.oneshot_max_bytes, in.pool_bytes,
-                                 kCellStride, in.max_blocks, ll);
+                                 kCellStride, in.max_blocks, ll, kGpuDescRoom);
   g.round = RoundConfig{g.where, g.layout, false, 0, 0, ll};
   return g;
 }
