@@ -168,6 +168,12 @@ PY
   m ll-desc-unchecked cuda/device.cuh plain \
     'return desc_equal(theirs, desc);\n  }\n\n  // The description' 'return true || desc_equal(theirs, desc);\n  }\n\n  // The description' \
     -- --only "collision 100000 vs 131409 ll"
+  m channel-sends-early cuda/device.cuh plain \
+    'const bool last = prev == static_cast<unsigned>(ch_end - ch_first) - 1;' 'const bool last = prev == 0;' \
+    -- --only "allreduce 3x1 float32 max one-shot n=2500" --only "allreduce 2x2 float32 sum two-shot n=5000" --repeat 2
+  m channel-count-unfenced cuda/device.cuh tsan \
+    '      __threadfence();  // releases my part' '' \
+    -- --only "allreduce 3x1 float32 max one-shot n=2500" --only "allreduce 2x2 float32 sum two-shot n=5000"
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
   exit $?

@@ -42,15 +42,16 @@ __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQua
 // words are stored before the flag word's release, and compared after the flag's acquire.
 // Across nodes the description travels inside the step's own message, so that it costs no
 // operation, no fence and no round trip of its own:
-//   put-with-signal: the sender writes a trailer (the four words, then the step's flag word)
+//   put-with-signal: the sender writes a trailer (the four words, the step's flag word, its rank)
 //     into its own source slice right behind the data (at the data's end rounded up to 8 bytes:
 //     the slice has kGpuDescRoom bytes of room, SegmentLayout::desc_room) and puts data and
 //     trailer in ONE nvshmemx_putmem_signal_nbi_block; NVSHMEM delivers the signal after every
 //     byte of that put. The receiver, once the signal arrived (and nvshmem_uint64_wait_until's
 //     consistency step), reads the trailer at its own expected place (the zone of the step, at
-//     its expected shard size: set_inter_bytes) and compares all five words: another call's
-//     description, another shard size (the trailer is elsewhere: what is read is an older
-//     round's, whose flag word differs) or an older round all fail with kMismatch.
+//     its expected shard size: set_inter_bytes) and compares all six words: another call's
+//     description, another shard size (the trailer is elsewhere: what is read there is an older
+//     round's, whose flag word differs, or bytes the partner received from another rank and
+//     sends on, whose rank word differs) or an older round all fail with kMismatch.
 //   LL: packets 0..7 of the step's stream carry the four words (low, high halves) under the
 //     packets' usual flag; the data's packets follow (the LL zone has room for them). The
 //     receiver waits for the eight first and compares them (a mismatch is named as such even
@@ -59,6 +60,36 @@ __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQua
 // A mismatch fails with kMismatch and aborts every rank, before any of the sender's data or
 // offsets is used.
 constexpr int kCellDesc = 3;
+
+// NOTE [channels]
+// Across nodes a chunk's B slices (one per block) would each send their own message per step:
+// B messages per peer per step, each a proxy command on proxy transports. Instead the slices are
+// gathered into C = KernelParams::channels channel messages (C < B; C >= B keeps one per block):
+// channel c holds the consecutive blocks [ceil(cB/C), ceil((c+1)B/C)). The call's slots put
+// the slices' parts at a stride of the call's largest message (launch_params.h, call_strides),
+// so a channel's parts are contiguous: [data of b0][trailer] ... [data of b1-1][trailer].
+//   send: a block writes its part (and trailer, or packs its LL stream, zero-padded to the
+//     stride), fences (gpu scope), and counts itself in on the channel's counter of (parity,
+//     slot) with a relaxed atomicAdd; the block that brings the count to the channel's size is
+//     the last: it fences again (acquiring every part), resets the counter and puts the whole
+//     channel in ONE put-with-signal (flag: the inter cell of block b0) or one LL put. No block
+//     ever waits for another block of its own PE: the others go on to their receive.
+//   receive: every block waits on its channel's flag (the cell of b0) or, LL, on its own
+//     packets, then checks its own trailer or description packets (NOTE [gpu call description]).
+//   LL with nvshmem_ptr reaching the peer (direct stores) has no messages: no gathering.
+// The counter of (parity, slot, channel) is used again in round e + 2 only after its reset: a
+// block counts itself in there only after its round e + 1 passed an inter-node step, which
+// needed data that the partner's channel sent after my channel's round-e message, which the
+// resetting block sent after the reset.
+// Residency: a channel's step-s message needs every block of the channel to have finished step
+// s - 1, and every block waits for the partner's channel message, which needs the partner's
+// blocks of that channel: so progress needs every block of a channel resident at once. A launch
+// with gathering (C < B) is therefore cooperative (allreduce_inst.cu: every block resident or
+// the launch fails; it can be captured in a CUDA graph), NOTE [epoch protocol].
+// Counters: 32-bit, in the GPU segment's header page (unused by the GPU otherwise; zeroed at
+// setup), at kChanCountersOff, index (parity * S + slot) * kMaxChannels + channel.
+constexpr int kMaxChannels = 4;
+constexpr size_t kChanCountersOff = 512;
 
 // Per-block workspace of protocol/round.h, in shared memory.
 struct SharedWs {
@@ -71,6 +102,7 @@ struct SharedWs {
   uint64_t aux0;
   uint64_t aux1;
   int ok;
+  int last;  // this block sends its channel's message (NOTE [channels])
 };
 
 // The Transport concept of protocol/round.h for one CUDA block. T, Op: the element type and
@@ -93,6 +125,52 @@ struct GpuTransport {
   __device__ char* base(int rank) const { return kp.peers[rank - kp.cfg.where.node * kp.cfg.where.G]; }
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ void sync() const { __syncthreads(); }
+
+  // My channel (NOTE [channels]): blocks [ch_first, ch_end); gathered: it has other blocks than
+  // mine; ch_last_bytes: the inter-node message bytes of its last block in the chunk in flight.
+  int ch = 0, ch_first = 0, ch_end = 1;
+  bool gathered = false;
+  size_t ch_last_bytes = 0;
+  __device__ void set_channel(int channels, int B, int b) {
+    const int C = channels < 1 ? 1 : (channels > kMaxChannels ? kMaxChannels : channels);
+    gathered = C < B;
+    if (!gathered) {
+      ch = b;
+      ch_first = b;
+      ch_end = b + 1;
+      return;
+    }
+    ch = b * C / B;
+    ch_first = (ch * B + C - 1) / C;
+    ch_end = ((ch + 1) * B + C - 1) / C;
+  }
+
+  // The channel counter of the slot whose entry of block b is `idx` (cell or zone index order of
+  // plan.h: (parity * S + slot) * B + b).
+  __device__ unsigned* chan_counter(size_t idx) const {
+    const size_t B = static_cast<size_t>(kp.cfg.L.B);
+    return reinterpret_cast<unsigned*>(kp.my + kChanCountersOff) + (idx / B) * kMaxChannels + ch;
+  }
+
+  // Every thread: count my slice in on the channel counter at `counter` (my part is written);
+  // true for the block that sends the channel's message.
+  __device__ bool chan_arrive(unsigned* counter) {
+    __syncthreads();  // the block's part is written
+    if (threadIdx.x == 0) {
+      __threadfence();  // releases my part (with the relaxed count below)
+      const unsigned prev = atomicAdd(counter, 1u);
+      const bool last = prev == static_cast<unsigned>(ch_end - ch_first) - 1;
+      if (last) {
+        __threadfence();  // acquires every block's part
+        atomicExch(counter, 0u);
+      }
+      sh.last = last ? 1 : 0;
+    }
+    __syncthreads();
+    const bool last = sh.last != 0;
+    __syncthreads();  // nobody overwrites sh.last before everyone read it
+    return last;
+  }
 
   // The bytes of this slice's inter-node messages in the round in flight (the shard, or the whole
   // slice for one-shot): where a put-with-signal's trailer lies (NOTE [gpu call description]).
@@ -125,11 +203,12 @@ struct GpuTransport {
   }
 
   // Leader only: whether the trailer of the put flagged in the inter cell `cell` holds this
-  // block's description and the round's flag word `word`.
-  __device__ bool trailer_matches(size_t cell, uint64_t word) const {
+  // block's description, the round's flag word `word` and the rank `peer`.
+  __device__ bool trailer_matches(size_t cell, uint64_t word, int peer) const {
     const uint64_t* t = trailer_of(kp.my + inter_zone(cell), inter_bytes);
     const CallDesc theirs{ld_relaxed_sys(t + 0), ld_relaxed_sys(t + 1), ld_relaxed_sys(t + 2), ld_relaxed_sys(t + 3)};
-    return desc_equal(theirs, desc) && ld_relaxed_sys(t + kDescWords) == word;
+    return desc_equal(theirs, desc) && ld_relaxed_sys(t + kDescWords) == word &&
+           ld_relaxed_sys(t + kDescWords + 1) == static_cast<uint64_t>(peer);
   }
 
   // round.h signals the G-1 local peers one after the other; each flag is stored by its own lane
@@ -220,8 +299,12 @@ struct GpuTransport {
                        uint64_t* aux1) {
     constexpr unsigned kSpins = 256, kMaxBackoffNs = 128;
     dirty = true;
+    const bool inter = cell >= kp.cfg.L.inter_cell(0, 0, 0);
     if (threadIdx.x == 0) {
-      uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
+      // Across nodes the flag is my channel's: the cell of its first block (NOTE [channels]).
+      const size_t flag_cell =
+          inter ? cell - static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first) * kp.cfg.L.cell_stride : cell;
+      uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + flag_cell);
       const uint64_t target = flag_word(e, 0);
       const uint64_t start = globaltimer();
       // Relaxed polls; one acquire once the flag is there (it orders the sender's writes).
@@ -256,7 +339,6 @@ struct GpuTransport {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
-      const bool inter = cell >= kp.cfg.L.inter_cell(0, 0, 0);
       if (ok && inter) {
         // Written by an NVSHMEM signal: returns at once, and adds the consistency step that
         // makes the signal's data visible (proxy transports included), the trailer's too.
@@ -264,7 +346,7 @@ struct GpuTransport {
       }
       // The sender's description (in node: stored before the flag's release; across nodes: the
       // trailer of the put, NOTE [gpu call description]) must be mine.
-      if (ok && !(inter ? trailer_matches(cell, v) : desc_matches(cell))) {
+      if (ok && !(inter ? trailer_matches(cell, v, peer) : desc_matches(cell))) {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
@@ -303,11 +385,24 @@ struct GpuTransport {
       st_relaxed_sys(t + 2, desc.n);
       st_relaxed_sys(t + 3, desc.shape);
       st_relaxed_sys(t + kDescWords, word);
-      __threadfence();
+      st_relaxed_sys(t + kDescWords + 1, static_cast<uint64_t>(kp.cfg.where.rank));
+      if (!gathered) __threadfence();
     }
-    __syncthreads();
-    const size_t wire = static_cast<size_t>(reinterpret_cast<char*>(t + kTrailerWords) - src);
-    nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, wire, reinterpret_cast<uint64_t*>(kp.my + cell), word,
+    if (!gathered) {
+      __syncthreads();
+      const size_t wire = static_cast<size_t>(reinterpret_cast<char*>(t + kTrailerWords) - src);
+      nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, wire, reinterpret_cast<uint64_t*>(kp.my + cell), word,
+                                       NVSHMEM_SIGNAL_SET, rank);
+      return true;
+    }
+    // NOTE [channels]: the last block of my channel puts every part of it, b0's flag.
+    const SegmentLayout& L = kp.cfg.L;
+    if (!chan_arrive(chan_counter((cell - L.inter_cell(0, 0, 0)) / L.cell_stride))) return true;
+    const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first);
+    const size_t wire = static_cast<size_t>(ch_end - 1 - ch_first) * L.zone_slice_bytes + align_up(ch_last_bytes, 8) +
+                        kTrailerBytes;
+    nvshmemx_putmem_signal_nbi_block(kp.my + dst_off - back * L.zone_slice_bytes, src - back * L.zone_slice_bytes, wire,
+                                     reinterpret_cast<uint64_t*>(kp.my + cell - back * L.cell_stride), word,
                                      NVSHMEM_SIGNAL_SET, rank);
     return true;
   }
@@ -340,10 +435,25 @@ struct GpuTransport {
       // Load/store reachable (NVLink, or a PE on this GPU): each 8-byte packet arrives whole.
       st_quad(to + q * kLLQuad, pk, ll_quad_size(bytes, q - kDescQuads));
     }
+    const SegmentLayout& L = kp.cfg.L;
+    if (direct == nullptr && gathered) {
+      // The rest of my stride in llout: zeros, so that the channel's message leaves only zeros
+      // or packets of this round in the partner's LL zone (NOTE [LL zones]).
+      const size_t stride = L.ll_slice_bytes / 8;
+      for (size_t k = n + threadIdx.x; k < stride; k += blockDim.x) st_relaxed_sys(to + k, 0);
+    }
     __syncthreads();
     if (direct != nullptr) return true;
-    uint64_t* out = to;
-    nvshmemx_putmem_nbi_block(kp.my + dst_off, out, n * 8, rank);
+    if (!gathered) {
+      nvshmemx_putmem_nbi_block(kp.my + dst_off, to, n * 8, rank);
+      return true;
+    }
+    // NOTE [channels]: the last block of my channel puts every stream of it.
+    if (!chan_arrive(chan_counter((dst_off - L.llzones_off) / L.ll_slice_bytes))) return true;
+    const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first) * L.ll_slice_bytes;
+    const size_t wire = static_cast<size_t>(ch_end - 1 - ch_first) * L.ll_slice_bytes +
+                        (kDescPackets + ll_packets(ch_last_bytes)) * 8;
+    nvshmemx_putmem_nbi_block(kp.my + dst_off - back, reinterpret_cast<char*>(to) - back, wire, rank);
     return true;
   }
 
