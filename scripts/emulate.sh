@@ -152,28 +152,39 @@ PY
   m() { total=$((total + 1)); if run_mutant "$@"; then caught=$((caught + 1)); fi; }
   # (the mutants are built with float32 kernels only: every case named below is a float32 case)
   m wait-acquire-relaxed cuda/device.cuh tsan \
-    'uint64_t v = ld_acquire_sys(c);' 'uint64_t v = ld_relaxed_sys(c);' \
-    '        v = ld_acquire_sys(c);' '        v = ld_relaxed_sys(c);' \
+    'if (ok) v = ld_acquire_sys(c);' 'if (ok) v = ld_relaxed_sys(c);' \
     -- --only "allreduce 2x2 float32 sum two-shot n=1000" --only "allreduce 2x2 float32 max two-shot n=1007 ll"
-  m signal-no-fence-release cuda/device.cuh tsan \
-    '      if (threadIdx.x == 0) __threadfence_system();\n      dirty = false;' '      dirty = false;' \
+  m signal-lanes-no-release cuda/device.cuh tsan \
     'desc.shape);\n      st_release_sys(c, word);' 'desc.shape);\n      st_relaxed_sys(c, word);' \
     -- --only "allreduce 2x2 float32 sum two-shot n=1000" --only "allreduce 2x2 float32 max two-shot n=1007 ll"
   m ll-unpack-no-zeroing cuda/device.cuh plain \
     'st_quad(p, zero, m);  // NOTE [LL zones]' '(void)zero;' \
+    'st_quad(stream + q * kLLQuad, zero, kLLQuad);' '(void)stream;' \
     -- --only "allreduce 2x1 float32 sum two-shot n=900 ll" --repeat 3
   m epoch-off-by-one cuda/allreduce_kernel.cuh plain \
     'kp.state->epoch = e0 + nchunks;' 'kp.state->epoch = e0 + nchunks - 1;' \
     -- --only "allreduce 2x2 float32" --only "allreduce 2x1 float32"
-  m fail-no-fence cuda/device.cuh plain \
-    '        nvshmem_fence();\n' '' \
-    -- --only "remote abort" --repeat 4
+  m abort-word-no-origin cuda/device.cuh plain \
+    '<< 32) | static_cast<uint32_t>(origin);' '<< 32);' \
+    -- --only "remote abort" --repeat 2
   m call-description-unchecked cuda/device.cuh plain \
-    'return desc_equal(theirs, desc);' 'return true || desc_equal(theirs, desc);' \
-    -- --only "collision"
-  m desc-put-no-fence cuda/device.cuh plain \
-    'NVSHMEM_SIGNAL_SET, rank);\n      nvshmem_fence();\n' 'NVSHMEM_SIGNAL_SET, rank);\n' \
+    'return desc_equal(theirs, desc);\n  }\n\n  // Leader only: whether the trailer' 'return true || desc_equal(theirs, desc);\n  }\n\n  // Leader only: whether the trailer' \
+    -- --only "1x2 collision" --only "2x2 collision"
+  m put-trailer-unchecked cuda/device.cuh plain \
+    'return desc_equal(theirs, desc) && ld_relaxed_sys(t + kDescWords) == word;' 'return true || (desc_equal(theirs, desc) && ld_relaxed_sys(t + kDescWords) == word);' \
+    -- --only "collision 100000 vs 131409 put-signal"
+  m put-trailer-not-sent cuda/device.cuh plain \
+    'const size_t wire = static_cast<size_t>(reinterpret_cast<char*>(t + kTrailerWords) - src);' 'const size_t wire = bytes;' \
     -- --only "allreduce 2x1 float32" --only "allreduce 3x1 float32"
+  m ll-desc-unchecked cuda/device.cuh plain \
+    'return desc_equal(theirs, desc);\n  }\n\n  // The description' 'return true || desc_equal(theirs, desc);\n  }\n\n  // The description' \
+    -- --only "collision 100000 vs 131409 ll"
+  m channel-sends-early cuda/device.cuh plain \
+    'const bool last = prev == static_cast<unsigned>(ch_end - ch_first) - 1;' 'const bool last = prev == 0;' \
+    -- --only "allreduce 3x1 float32 max one-shot n=2500" --only "allreduce 2x2 float32 sum two-shot n=5000" --repeat 2
+  m channel-count-unfenced cuda/device.cuh tsan \
+    '      __threadfence();  // releases my part' '' \
+    -- --only "allreduce 3x1 float32 max one-shot n=2500" --only "allreduce 2x2 float32 sum two-shot n=5000"
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
   exit $?

@@ -24,12 +24,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
   const size_t nchunks = ceil_div(kp.count, kp.chunk_elems);
   const int B = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);
+  tp.set_channel(kp.channels, B, b);
   for (size_t c = 0; c < nchunks; ++c) {
     const uint64_t e = e0 + 1 + c;
     const size_t first = c * kp.chunk_elems;
     const size_t n = kp.count - first < kp.chunk_elems ? kp.count - first : kp.chunk_elems;
     tp.desc = CallDesc{kp.count, kp.code, n, kp.shape};
     const Range sl = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, b);
+    // The inter-node message of my channel's last block (NOTE [channels], device.cuh).
+    const Range last = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, tp.ch_end - 1);
+    tp.ch_last_bytes = (kp.algorithm == Algorithm::kOneShot ? last.size()
+                                                             : shard_range(last.size(), kp.es, kp.cfg.where.G,
+                                                                           kp.cfg.where.local).size()) *
+                       static_cast<size_t>(kp.es);
     const size_t at = (first + sl.begin) * static_cast<size_t>(kp.es);
     const Slice s{kp.in + at, kp.out + at, sl.size(), static_cast<size_t>(kp.es), sl.begin * static_cast<size_t>(kp.es),
                   b, kp.in_pool, kp.out_pool};

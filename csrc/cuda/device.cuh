@@ -39,16 +39,57 @@ __device__ __forceinline__ void st_quad(uint64_t* p, const uint64_t (&pk)[kLLQua
 // NOTE [gpu call description]: every flag cell (ready, final, inter: 64 bytes) holds, like the CPU
 // executor's cells (csrc/cpu/segment.h), the flag word, two aux words and then the sender's
 // CallDesc (protocol/desc.h) at word kCellDesc. In node (a peer's store over NVLink) the four
-// words are stored before the flag word's release. Across nodes (send_desc) the sender writes
-// them into the receiver's inter cell of the step first: stores where nvshmem_ptr reaches the
-// cell (direct mode), then __threadfence_system; else four nvshmemx_signal_op (a value put with
-// no source buffer, so no symmetric staging and no layout change), then nvshmem_fence, which
-// orders them before the step's data put-with-signal or LL packets to the same PE. An LL step
-// uses the inter cell of its (parity, slot, slice) too (ll_cell: the LL path has no flag word
-// there). The receiver compares the words with this block's description once the flag (wait)
-// or every LL packet (wait_ll) arrived, before the caller sees the aux words or touches the
-// sender's data; a mismatch fails with kMismatch and aborts every rank.
+// words are stored before the flag word's release, and compared after the flag's acquire.
+// Across nodes the description travels inside the step's own message, so that it costs no
+// operation, no fence and no round trip of its own:
+//   put-with-signal: the sender writes a trailer (the four words, the step's flag word, its rank)
+//     into its own source slice right behind the data (at the data's end rounded up to 8 bytes:
+//     the slice has kGpuDescRoom bytes of room, SegmentLayout::desc_room) and puts data and
+//     trailer in ONE nvshmemx_putmem_signal_nbi_block; NVSHMEM delivers the signal after every
+//     byte of that put. The receiver, once the signal arrived (and nvshmem_uint64_wait_until's
+//     consistency step), reads the trailer at its own expected place (the zone of the step, at
+//     its expected shard size: set_inter_bytes) and compares all six words: another call's
+//     description, another shard size (the trailer is elsewhere: what is read there is an older
+//     round's, whose flag word differs, or bytes the partner received from another rank and
+//     sends on, whose rank word differs) or an older round all fail with kMismatch.
+//   LL: packets 0..7 of the step's stream carry the four words (low, high halves) under the
+//     packets' usual flag; the data's packets follow (the LL zone has room for them). The
+//     receiver waits for the eight first and compares them (a mismatch is named as such even
+//     where the other call sends fewer packets), then waits for the data's packets; it zeroes
+//     all of them when it unpacks (NOTE [LL zones]).
+// A mismatch fails with kMismatch and aborts every rank, before any of the sender's data or
+// offsets is used.
 constexpr int kCellDesc = 3;
+
+// NOTE [channels]
+// Across nodes a chunk's B slices (one per block) would each send their own message per step:
+// B messages per peer per step, each a proxy command on proxy transports. Instead the slices are
+// gathered into C = KernelParams::channels channel messages (C < B; C >= B keeps one per block):
+// channel c holds the consecutive blocks [ceil(cB/C), ceil((c+1)B/C)). The call's slots put
+// the slices' parts at a stride of the call's largest message (launch_params.h, call_strides),
+// so a channel's parts are contiguous: [data of b0][trailer] ... [data of b1-1][trailer].
+//   send: a block writes its part (and trailer, or packs its LL stream, zero-padded to the
+//     stride), fences (gpu scope), and counts itself in on the channel's counter of (parity,
+//     slot) with a relaxed atomicAdd; the block that brings the count to the channel's size is
+//     the last: it fences again (acquiring every part), resets the counter and puts the whole
+//     channel in ONE put-with-signal (flag: the inter cell of block b0) or one LL put. No block
+//     ever waits for another block of its own PE: the others go on to their receive.
+//   receive: every block waits on its channel's flag (the cell of b0) or, LL, on its own
+//     packets, then checks its own trailer or description packets (NOTE [gpu call description]).
+//   LL with nvshmem_ptr reaching the peer (direct stores) has no messages: no gathering.
+// The counter of (parity, slot, channel) is used again in round e + 2 only after its reset: a
+// block counts itself in there only after its round e + 1 passed an inter-node step, which
+// needed data that the partner's channel sent after my channel's round-e message, which the
+// resetting block sent after the reset.
+// Residency: a channel's step-s message needs every block of the channel to have finished step
+// s - 1, and every block waits for the partner's channel message, which needs the partner's
+// blocks of that channel: so progress needs every block of a channel resident at once. A launch
+// with gathering (C < B) is therefore cooperative (allreduce_inst.cu: every block resident or
+// the launch fails; it can be captured in a CUDA graph), NOTE [epoch protocol].
+// Counters: 32-bit, in the GPU segment's header page (unused by the GPU otherwise; zeroed at
+// setup), at kChanCountersOff, index (parity * S + slot) * kMaxChannels + channel.
+constexpr int kMaxChannels = 4;
+constexpr size_t kChanCountersOff = 512;
 
 // Per-block workspace of protocol/round.h, in shared memory.
 struct SharedWs {
@@ -61,6 +102,7 @@ struct SharedWs {
   uint64_t aux0;
   uint64_t aux1;
   int ok;
+  int last;  // this block sends its channel's message (NOTE [channels])
 };
 
 // The Transport concept of protocol/round.h for one CUDA block. T, Op: the element type and
@@ -84,26 +126,72 @@ struct GpuTransport {
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ void sync() const { __syncthreads(); }
 
-  // The inter cell of the LL zone at `off` (same parity, slot and slice: plan.h orders both the
-  // same way), which carries the LL step's description (NOTE [gpu call description]).
-  __device__ size_t ll_cell(size_t off) const {
-    const SegmentLayout& L = kp.cfg.L;
-    return L.inter_cell(0, 0, 0) + (off - L.llzones_off) / L.ll_slice_bytes * L.cell_stride;
+  // My channel (NOTE [channels]): blocks [ch_first, ch_end); gathered: it has other blocks than
+  // mine; ch_last_bytes: the inter-node message bytes of its last block in the chunk in flight.
+  int ch = 0, ch_first = 0, ch_end = 1;
+  bool gathered = false;
+  size_t ch_last_bytes = 0;
+  __device__ void set_channel(int channels, int B, int b) {
+    const int C = channels < 1 ? 1 : (channels > kMaxChannels ? kMaxChannels : channels);
+    gathered = C < B;
+    if (!gathered) {
+      ch = b;
+      ch_first = b;
+      ch_end = b + 1;
+      return;
+    }
+    ch = b * C / B;
+    ch_first = (ch * B + C - 1) / C;
+    ch_end = ((ch + 1) * B + C - 1) / C;
   }
 
-  // Leader only: my description into the description words of `rank`'s cell at `cell`, ordered
-  // before whatever I put to `rank` next (NOTE [gpu call description]).
-  __device__ void send_desc(int rank, size_t cell) {
-    uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
-    uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(c, rank));
-    const uint64_t words[kDescWords] = {desc.count, desc.code, desc.n, desc.shape};
-    if (direct != nullptr) {
-      for (unsigned k = 0; k < kDescWords; ++k) st_relaxed_sys(direct + kCellDesc + k, words[k]);
-      __threadfence_system();
-    } else {
-      for (unsigned k = 0; k < kDescWords; ++k) nvshmemx_signal_op(c + kCellDesc + k, words[k], NVSHMEM_SIGNAL_SET, rank);
-      nvshmem_fence();
+  // The channel counter of the slot whose entry of block b is `idx` (cell or zone index order of
+  // plan.h: (parity * S + slot) * B + b).
+  __device__ unsigned* chan_counter(size_t idx) const {
+    const size_t B = static_cast<size_t>(kp.cfg.L.B);
+    return reinterpret_cast<unsigned*>(kp.my + kChanCountersOff) + (idx / B) * kMaxChannels + ch;
+  }
+
+  // Every thread: count my slice in on the channel counter at `counter` (my part is written);
+  // true for the block that sends the channel's message.
+  __device__ bool chan_arrive(unsigned* counter) {
+    __syncthreads();  // the block's part is written
+    if (threadIdx.x == 0) {
+      __threadfence();  // releases my part (with the relaxed count below)
+      const unsigned prev = atomicAdd(counter, 1u);
+      const bool last = prev == static_cast<unsigned>(ch_end - ch_first) - 1;
+      if (last) {
+        __threadfence();  // acquires every block's part
+        atomicExch(counter, 0u);
+      }
+      sh.last = last ? 1 : 0;
     }
+    __syncthreads();
+    const bool last = sh.last != 0;
+    __syncthreads();  // nobody overwrites sh.last before everyone read it
+    return last;
+  }
+
+  // The bytes of this slice's inter-node messages in the round in flight (the shard, or the whole
+  // slice for one-shot): where a put-with-signal's trailer lies (NOTE [gpu call description]).
+  // protocol/round.h sets it before the inter-node steps.
+  size_t inter_bytes = 0;
+  __device__ void set_inter_bytes(size_t bytes) { inter_bytes = bytes; }
+
+  // Where the trailer of a put of `bytes` data bytes starting at `data` lies.
+  __device__ static uint64_t* trailer_of(char* data, size_t bytes) {
+    return reinterpret_cast<uint64_t*>(data + align_up(bytes, 8));
+  }
+
+  // The zone that the inter cell at `cell` flags (same parity, slot and slice: plan.h).
+  __device__ size_t inter_zone(size_t cell) const {
+    const SegmentLayout& L = kp.cfg.L;
+    const size_t idx = (cell - L.inter_cell(0, 0, 0)) / L.cell_stride;
+    const size_t per_parity = static_cast<size_t>(L.S) * static_cast<size_t>(L.B);
+    const int parity = static_cast<int>(idx / per_parity);
+    const int slot = static_cast<int>(idx % per_parity / static_cast<size_t>(L.B));
+    const int b = static_cast<int>(idx % static_cast<size_t>(L.B));
+    return L.zone(parity, slot, b);
   }
 
   // Leader only: whether the description words of my cell at `cell` are this block's description.
@@ -114,15 +202,31 @@ struct GpuTransport {
     return desc_equal(theirs, desc);
   }
 
-  // round.h signals the G-1 local peers back to back: the first signal waits for the block and
-  // fences once, the others are release stores alone (nothing was written in between).
+  // Leader only: whether the trailer of the put flagged in the inter cell `cell` holds this
+  // block's description, the round's flag word `word` and the rank `peer`.
+  __device__ bool trailer_matches(size_t cell, uint64_t word, int peer) const {
+    const uint64_t* t = trailer_of(kp.my + inter_zone(cell), inter_bytes);
+    const CallDesc theirs{ld_relaxed_sys(t + 0), ld_relaxed_sys(t + 1), ld_relaxed_sys(t + 2), ld_relaxed_sys(t + 3)};
+    return desc_equal(theirs, desc) && ld_relaxed_sys(t + kDescWords) == word &&
+           ld_relaxed_sys(t + kDescWords + 1) == static_cast<uint64_t>(peer);
+  }
+
+  // round.h signals the G-1 local peers one after the other; each flag is stored by its own lane
+  // (lane i: the i-th peer after me), so the G-1 stores go out in parallel, each thread issuing
+  // one system-scope release store per phase, not one thread G-1 back to back (each waiting for
+  // the previous one's acknowledgement over NVLink). The first signal of a phase waits for the
+  // block (its writes are done: the barrier orders them before every lane's release, which is
+  // cumulative); no barrier between the signals (nothing is written in between).
+  __device__ int signal_lane(int rank) const {
+    const Layout& w = kp.cfg.where;
+    return ((rank - w.rank + w.G) % w.G - 1) % static_cast<int>(blockDim.x);
+  }
   __device__ void signal(int rank, size_t cell, uint64_t word, uint64_t aux0, uint64_t aux1) {
     if (dirty) {
       __syncthreads();  // the block's writes of this phase are done
-      if (threadIdx.x == 0) __threadfence_system();
       dirty = false;
     }
-    if (threadIdx.x == 0) {
+    if (static_cast<int>(threadIdx.x) == signal_lane(rank)) {
       uint64_t* c = reinterpret_cast<uint64_t*>(base(rank) + cell);
       st_relaxed_sys(c + 1, aux0);
       st_relaxed_sys(c + 2, aux1);
@@ -152,35 +256,38 @@ struct GpuTransport {
     }
   }
 
-  // Leader only: record the first failure of this rank and abort every rank (NOTE [gpu deadlines]).
+  // The abort word: one 64-bit word that says all an abort says (NOTE [gpu deadlines]): bit 63
+  // set, the kind of the failure in bits 32..62, the origin (the rank that failed first) in bits
+  // 0..31. One store or one signal carries it whole: nothing has to be ordered before it.
+  static constexpr uint64_t kAbortBit = uint64_t{1} << 63;
+  __device__ static uint64_t abort_word(ProtocolErrorKindCode kind, int origin) {
+    return kAbortBit | (static_cast<uint64_t>(kind & 0x7fffffffu) << 32) | static_cast<uint32_t>(origin);
+  }
+
+  // Leader only: record the first failure of this rank and abort every rank (NOTE [gpu deadlines]):
+  // one release store per local rank, one signal per remote PE; no fence, no quiet, no wait on
+  // any completion (a dead peer NIC cannot hold the way out).
   __device__ void fail(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
                        int origin) {
     record(kind, phase, step, peer, epoch, observed, origin);
     const Layout& w = kp.cfg.where;
     const size_t abort_off = kp.cfg.L.abort_cell();
-    const uint64_t aux = static_cast<uint64_t>(origin) | (static_cast<uint64_t>(kind) << 32);
-    const uint64_t word = flag_word(epoch, 1);
+    const uint64_t word = abort_word(kind, origin);
     for (int r = 0; r < w.world; ++r) {
-      if (r / w.G == w.node) {
-        uint64_t* c = reinterpret_cast<uint64_t*>(base(r) + abort_off);
-        st_relaxed_sys(c + 1, aux);
-        st_release_sys(c, word);
-      } else {
-        // Remote: aux first, fenced, then the word (signals to one PE may land out of order).
-        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(kp.my + abort_off) + 1, aux, NVSHMEM_SIGNAL_SET, r);
-        nvshmem_fence();
+      if (r / w.G == w.node)
+        st_release_sys(reinterpret_cast<uint64_t*>(base(r) + abort_off), word);
+      else
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(kp.my + abort_off), word, NVSHMEM_SIGNAL_SET, r);
-      }
     }
   }
 
-  // Leader only: true while no abort arrived; else records it.
+  // Leader only: true while no abort arrived; else records it (kind and origin from the word).
   __device__ bool aborted(Phase phase, int step, int peer, uint64_t epoch) {
     const uint64_t* c = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
-    if (ld_acquire_sys(c) == 0) return false;
-    const uint64_t aux = ld_relaxed_sys(c + 1);
-    const uint32_t kind = static_cast<uint32_t>(aux >> 32);
-    const int origin = aux == 0 ? -1 : static_cast<int>(aux & 0xffffffffu);
+    const uint64_t v = ld_relaxed_sys(c);
+    if (v == 0) return false;
+    const uint32_t kind = static_cast<uint32_t>(v >> 32) & 0x7fffffffu;
+    const int origin = static_cast<int>(static_cast<uint32_t>(v));
     record(kind == 0 ? kPeerAbortCode : kind, phase, step, peer, epoch, 0, origin);
     return true;
   }
@@ -192,11 +299,16 @@ struct GpuTransport {
                        uint64_t* aux1) {
     constexpr unsigned kSpins = 256, kMaxBackoffNs = 128;
     dirty = true;
+    const bool inter = cell >= kp.cfg.L.inter_cell(0, 0, 0);
     if (threadIdx.x == 0) {
-      uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + cell);
+      // Across nodes the flag is my channel's: the cell of its first block (NOTE [channels]).
+      const size_t flag_cell =
+          inter ? cell - static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first) * kp.cfg.L.cell_stride : cell;
+      uint64_t* c = reinterpret_cast<uint64_t*>(kp.my + flag_cell);
       const uint64_t target = flag_word(e, 0);
       const uint64_t start = globaltimer();
-      uint64_t v = ld_acquire_sys(c);
+      // Relaxed polls; one acquire once the flag is there (it orders the sender's writes).
+      uint64_t v = ld_relaxed_sys(c);
       int ok = 1;
       unsigned backoff = 32, polls = 0;
       while (v < target) {
@@ -216,8 +328,9 @@ struct GpuTransport {
           __nanosleep(backoff);
           if (backoff < kMaxBackoffNs) backoff *= 2;
         }
-        v = ld_acquire_sys(c);
+        v = ld_relaxed_sys(c);
       }
+      if (ok) v = ld_acquire_sys(c);
       if (ok && flag_epoch(v) != e) {
         fail(kViolationCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
@@ -226,14 +339,14 @@ struct GpuTransport {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
-      if (ok && cell >= kp.cfg.L.inter_cell(0, 0, 0)) {
+      if (ok && inter) {
         // Written by an NVSHMEM signal: returns at once, and adds the consistency step that
-        // makes the signal's data visible (proxy transports included), the description's too.
+        // makes the signal's data visible (proxy transports included), the trailer's too.
         nvshmem_uint64_wait_until(c, NVSHMEM_CMP_GE, target);
       }
-      // The sender's description (stored before the flag's release in node, put and fenced
-      // before the data and signal across nodes) must be mine.
-      if (ok && !desc_matches(cell)) {
+      // The sender's description (in node: stored before the flag's release; across nodes: the
+      // trailer of the put, NOTE [gpu call description]) must be mine.
+      if (ok && !(inter ? trailer_matches(cell, v, peer) : desc_matches(cell))) {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
@@ -260,58 +373,97 @@ struct GpuTransport {
     return true;
   }
 
+  // The data and its trailer (NOTE [gpu call description]) in one put, then the signal. `src` is a
+  // slot of my segment (a result or zone slice) with kGpuDescRoom bytes of room behind the data.
   __device__ bool put_signal(int rank, size_t dst_off, const char* src, size_t bytes, size_t cell, uint64_t word) {
     dirty = true;
     __syncthreads();
+    uint64_t* t = trailer_of(const_cast<char*>(src), bytes);
     if (threadIdx.x == 0) {
-      __threadfence();
-      send_desc(rank, cell);
+      st_relaxed_sys(t + 0, desc.count);
+      st_relaxed_sys(t + 1, desc.code);
+      st_relaxed_sys(t + 2, desc.n);
+      st_relaxed_sys(t + 3, desc.shape);
+      st_relaxed_sys(t + kDescWords, word);
+      st_relaxed_sys(t + kDescWords + 1, static_cast<uint64_t>(kp.cfg.where.rank));
+      if (!gathered) __threadfence();
     }
-    __syncthreads();
-    nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, bytes, reinterpret_cast<uint64_t*>(kp.my + cell), word,
+    if (!gathered) {
+      __syncthreads();
+      const size_t wire = static_cast<size_t>(reinterpret_cast<char*>(t + kTrailerWords) - src);
+      nvshmemx_putmem_signal_nbi_block(kp.my + dst_off, src, wire, reinterpret_cast<uint64_t*>(kp.my + cell), word,
+                                       NVSHMEM_SIGNAL_SET, rank);
+      return true;
+    }
+    // NOTE [channels]: the last block of my channel puts every part of it, b0's flag.
+    const SegmentLayout& L = kp.cfg.L;
+    if (!chan_arrive(chan_counter((cell - L.inter_cell(0, 0, 0)) / L.cell_stride))) return true;
+    const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first);
+    const size_t wire = static_cast<size_t>(ch_end - 1 - ch_first) * L.zone_slice_bytes + align_up(ch_last_bytes, 8) +
+                        kTrailerBytes;
+    nvshmemx_putmem_signal_nbi_block(kp.my + dst_off - back * L.zone_slice_bytes, src - back * L.zone_slice_bytes, wire,
+                                     reinterpret_cast<uint64_t*>(kp.my + cell - back * L.cell_stride), word,
                                      NVSHMEM_SIGNAL_SET, rank);
     return true;
   }
 
+  // The description's packets (NOTE [gpu call description]), then the data's: one stream.
   __device__ bool put_ll(int rank, size_t dst_off, size_t out_off, const char* src, size_t bytes, uint32_t flag) {
     dirty = true;
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();  // my earlier zeroing of LL zones is ordered before
-      send_desc(rank, ll_cell(dst_off));
-    }
+    if (threadIdx.x == 0) __threadfence_system();  // my earlier zeroing of LL zones is ordered before
     __syncthreads();
-    const size_t n = ll_packets(bytes);
+    const size_t n = kDescPackets + ll_packets(bytes);
     const size_t nq = ll_quads(bytes);
+    constexpr size_t kDescQuads = kDescPackets / kLLQuad;
     uint64_t* direct = static_cast<uint64_t*>(nvshmem_ptr(kp.my + dst_off, rank));
     // One quad (4 packets: a 16-byte payload load, two 16-byte stores) per thread and turn.
     uint64_t* to = direct != nullptr ? direct : reinterpret_cast<uint64_t*>(kp.my + out_off);
-    for (size_t q = threadIdx.x; q < nq; q += blockDim.x) {
+    const uint64_t hi = static_cast<uint64_t>(flag) << 32;
+    for (size_t q = threadIdx.x; q < kDescQuads + nq; q += blockDim.x) {
       uint64_t pk[kLLQuad];
-      ll_make_quad(src, bytes, q, flag, pk);
+      if (q < kDescQuads) {
+        const uint64_t a = q == 0 ? desc.count : desc.n, b = q == 0 ? desc.code : desc.shape;
+        pk[0] = hi | (a & 0xffffffffu);
+        pk[1] = hi | (a >> 32);
+        pk[2] = hi | (b & 0xffffffffu);
+        pk[3] = hi | (b >> 32);
+        st_quad(to + q * kLLQuad, pk, kLLQuad);
+        continue;
+      }
+      ll_make_quad(src, bytes, q - kDescQuads, flag, pk);
       // Load/store reachable (NVLink, or a PE on this GPU): each 8-byte packet arrives whole.
-      st_quad(to + q * kLLQuad, pk, ll_quad_size(bytes, q));
+      st_quad(to + q * kLLQuad, pk, ll_quad_size(bytes, q - kDescQuads));
+    }
+    const SegmentLayout& L = kp.cfg.L;
+    if (direct == nullptr && gathered) {
+      // The rest of my stride in llout: zeros, so that the channel's message leaves only zeros
+      // or packets of this round in the partner's LL zone (NOTE [LL zones]).
+      const size_t stride = L.ll_slice_bytes / 8;
+      for (size_t k = n + threadIdx.x; k < stride; k += blockDim.x) st_relaxed_sys(to + k, 0);
     }
     __syncthreads();
     if (direct != nullptr) return true;
-    uint64_t* out = to;
-    nvshmemx_putmem_nbi_block(kp.my + dst_off, out, n * 8, rank);
+    if (!gathered) {
+      nvshmemx_putmem_nbi_block(kp.my + dst_off, to, n * 8, rank);
+      return true;
+    }
+    // NOTE [channels]: the last block of my channel puts every stream of it.
+    if (!chan_arrive(chan_counter((dst_off - L.llzones_off) / L.ll_slice_bytes))) return true;
+    const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first) * L.ll_slice_bytes;
+    const size_t wire = static_cast<size_t>(ch_end - 1 - ch_first) * L.ll_slice_bytes +
+                        (kDescPackets + ll_packets(ch_last_bytes)) * 8;
+    nvshmemx_putmem_nbi_block(kp.my + dst_off - back, reinterpret_cast<char*>(to) - back, wire, rank);
     return true;
   }
 
-  // Every thread polls its own packets. The first failure a thread sees claims sh.ok (1 -> code,
-  // compare-and-swap, so it is never overwritten); the others stop as soon as sh.ok is not 1.
-  __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
-    dirty = true;
-    constexpr int kLLTimedOut = 0, kLLMismatched = -1, kLLAborted = -2;  // sh.ok once a thread failed
-    const uint32_t flag = ll_flag(e, sig);
-    const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
+  // Threads poll packets [lo, hi) of the stream at pk, each its own. The first failure a thread
+  // sees claims sh.ok (1 -> code, compare-and-swap, so it is never overwritten); the others stop
+  // as soon as sh.ok is not 1.
+  static constexpr int kLLTimedOut = 0, kLLMismatched = -1, kLLAborted = -2;  // sh.ok once a thread failed
+  __device__ void ll_poll(const uint64_t* pk, size_t lo, size_t hi, uint32_t flag, uint64_t start) {
     const uint64_t* abort_word = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
-    const size_t n = ll_packets(bytes);
-    const uint64_t start = globaltimer();
-    if (threadIdx.x == 0) sh.ok = 1;
-    __syncthreads();
-    for (size_t i = threadIdx.x; i < n && ld_volatile(&sh.ok) == 1; i += blockDim.x) {
+    for (size_t i = lo + threadIdx.x; i < hi && ld_volatile(&sh.ok) == 1; i += blockDim.x) {
       int st = ll_packet_state(ld_relaxed_sys(pk + i), flag);
       unsigned spins = 0;
       while (st == 0) {
@@ -331,13 +483,30 @@ struct GpuTransport {
       }
       if (st < 0) atomicCAS(&sh.ok, 1, kLLMismatched);
     }
+  }
+
+  // Leader only: whether the description packets of the stream at pk (arrived) are this block's.
+  __device__ bool ll_desc_matches(const uint64_t* pk) const {
+    uint64_t w[kDescPackets];
+    for (unsigned k = 0; k < kDescPackets; ++k) w[k] = ld_relaxed_sys(pk + k) & 0xffffffffu;
+    const CallDesc theirs{w[0] | (w[1] << 32), w[2] | (w[3] << 32), w[4] | (w[5] << 32), w[6] | (w[7] << 32)};
+    return desc_equal(theirs, desc);
+  }
+
+  // The description's packets first, compared (NOTE [gpu call description]), then the data's.
+  // Each packet carries its own flag: no fence, no acquire.
+  __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
+    dirty = true;
+    const uint32_t flag = ll_flag(e, sig);
+    const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
+    const uint64_t start = globaltimer();
+    if (threadIdx.x == 0) sh.ok = 1;
     __syncthreads();
-    if (threadIdx.x == 0 && sh.ok == 1) {
-      // Every packet arrived: the description, fenced before them, did too (NOTE [gpu call
-      // description]); it must be mine before the caller unpacks anything.
-      __threadfence_system();
-      if (!desc_matches(ll_cell(off))) sh.ok = kLLMismatched;
-    }
+    ll_poll(pk, 0, kDescPackets, flag, start);
+    __syncthreads();
+    if (threadIdx.x == 0 && sh.ok == 1 && !ll_desc_matches(pk)) sh.ok = kLLMismatched;
+    __syncthreads();
+    ll_poll(pk, kDescPackets, kDescPackets + ll_packets(bytes), flag, start);
     __syncthreads();
     const int result = sh.ok;
     if (threadIdx.x == 0 && result != 1) {
@@ -352,10 +521,14 @@ struct GpuTransport {
     return result == 1;
   }
 
+  // The data's packets to dst, then every packet of the stream zeroed, the description's too.
   __device__ void ll_unpack(char* dst, size_t off, size_t bytes) {
     dirty = true;
-    uint64_t* zone = reinterpret_cast<uint64_t*>(kp.my + off);
+    uint64_t* stream = reinterpret_cast<uint64_t*>(kp.my + off);
+    uint64_t* zone = stream + kDescPackets;
     const size_t nq = ll_quads(bytes);
+    const uint64_t zero[kLLQuad] = {0, 0, 0, 0};
+    for (size_t q = threadIdx.x; q < kDescPackets / kLLQuad; q += blockDim.x) st_quad(stream + q * kLLQuad, zero, kLLQuad);
     for (size_t q = threadIdx.x; q < nq; q += blockDim.x) {
       uint64_t* p = zone + q * kLLQuad;
       const size_t m = ll_quad_size(bytes, q);
@@ -367,7 +540,6 @@ struct GpuTransport {
         for (size_t k = 0; k < m; ++k) pk[k] = ld_relaxed_sys(p + k);
       }
       ll_store_quad(dst, bytes, q, pk);
-      const uint64_t zero[kLLQuad] = {0, 0, 0, 0};
       st_quad(p, zero, m);  // NOTE [LL zones]
     }
     __syncthreads();

@@ -30,6 +30,10 @@ struct GpuConfig {
   size_t block_bytes = 0;        // bytes per CUDA block before another block is added
   int max_blocks = 0;            // slices (CUDA blocks) per chunk, at most
   int threads = 0;               // threads per block
+  // Messages per peer per inter-node step (NOTE [channels], device.cuh), 1..4. nvrar passes
+  // settings.GPU_LAUNCH["channels"] (NVRAR_GPU_CHANNELS); the emulated driver's cases keep 2, so
+  // that its multi-block cases gather slices into channels.
+  int channels = 2;
   double timeout_s = 0;          // deadline of every wait (seconds)
 };
 

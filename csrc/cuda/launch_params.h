@@ -10,6 +10,9 @@
 
 #include "../common/error.h"
 #include "../protocol/call.h"
+#include "../protocol/desc.h"
+#include "../protocol/ll.h"
+#include "../protocol/round.h"
 #include "../protocol/epilogue.h"
 #include "gpu_api.h"
 #include "params.h"
@@ -35,7 +38,7 @@ inline ExecutorGeometry executor_geometry(const GpuConfig& in) {
   g.where = Layout::make(in.world, in.ranks_per_node, in.rank);
   const size_t ll = g.where.N > 1 ? in.ll_max_bytes : 0;
   g.layout = SegmentLayout::make(in.ranks_per_node, g.where.N, g.cfg.max_bytes, in.oneshot_max_bytes, in.pool_bytes,
-                                 kCellStride, in.max_blocks, ll);
+                                 kCellStride, in.max_blocks, ll, kGpuDescRoom);
   g.round = RoundConfig{g.where, g.layout, false, 0, 0, ll};
   return g;
 }
@@ -71,6 +74,28 @@ inline void fill_executor_params(KernelParams& kp, const ExecutorGeometry& g, co
   kp.timeout_ns = static_cast<unsigned long long>(g.cfg.timeout_s * 1e9);
 }
 
+// The slot strides of one all_reduce call across nodes (NOTE [channels], device.cuh): the
+// slices' result and zone parts, and their LL streams, follow each other at the stride of this
+// call's largest inter-node message (plus the description's room), not of the segment's largest,
+// so that a channel's slices form one contiguous message. Every block decides LL or
+// put-with-signal alike: by the call's largest message. The same on every rank (the call plan
+// and G); the slots stay inside the segment's regions (the stride never exceeds the layout's).
+inline void call_strides(KernelParams& kp, const CallPlan& c, const ExecutorGeometry& g) {
+  if (g.where.N <= 1) return;
+  const size_t es = c.es;
+  const size_t slice_elems = shard_elems(c.chunk_elems, static_cast<int>(es), c.slices);
+  const size_t msg = c.algorithm == Algorithm::kOneShot ? slice_elems * es
+                                                        : shard_elems(slice_elems, static_cast<int>(es), g.where.G) * es;
+  SegmentLayout& L = kp.cfg.L;
+  const bool ll = use_ll(kp.cfg, msg);
+  L.zone_slice_bytes = std::min(L.zone_slice_bytes, align_up(align_up(msg, 8) + kTrailerBytes, 64));
+  if (ll) {
+    L.ll_slice_bytes = std::min(L.ll_slice_bytes, align_up((kDescPackets + ll_packets(msg)) * 8, 32));
+  } else {
+    kp.cfg.ll_max_bytes = 0;  // no block of this call uses LL
+  }
+}
+
 // The parameters of an all_reduce call planned by plan_call (protocol/call.h); launched with
 // c.slices blocks of cfg.threads threads.
 inline KernelParams allreduce_params(const CallPlan& c, uintptr_t in, uintptr_t out, size_t count, DType dtype,
@@ -89,6 +114,8 @@ inline KernelParams allreduce_params(const CallPlan& c, uintptr_t in, uintptr_t 
   kp.in_pool = c.in_pool;
   kp.out_pool = c.out_pool;
   fill_executor_params(kp, g, d);
+  kp.channels = std::max(1, std::min(g.cfg.channels, c.slices));
+  call_strides(kp, c, g);
   return kp;
 }
 

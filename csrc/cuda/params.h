@@ -68,6 +68,9 @@ struct KernelParams {
   DeviceState* state;
   ErrorRecord* err;     // host-mapped
   unsigned long long timeout_ns;
+  // Messages per peer per inter-node step (NOTE [channels], device.cuh): the blocks' slices are
+  // gathered into this many channel messages; >= the number of blocks: one message per block.
+  int channels;
 };
 
 // The plain kernel's parameters (transport, flags, epoch, error record) plus the fused call's.

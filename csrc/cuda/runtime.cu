@@ -141,7 +141,7 @@ void set_symmetric_size_default(const GpuConfig& cfg) {
   const size_t max_bytes = std::max<size_t>(cfg.max_bytes / 64 * 64, 4096);
   const SegmentLayout layout = SegmentLayout::make(cfg.ranks_per_node, where.N, max_bytes, cfg.oneshot_max_bytes,
                                                    cfg.pool_bytes, kCellStride, cfg.max_blocks,
-                                                   where.N > 1 ? cfg.ll_max_bytes : 0);
+                                                   where.N > 1 ? cfg.ll_max_bytes : 0, kGpuDescRoom);
   std::lock_guard<std::mutex> lock(g_mu);
   setenv_default("NVSHMEM_SYMMETRIC_SIZE", std::to_string(std::max<size_t>(size_t{1} << 30, 2 * layout.total_bytes)));
 }

@@ -27,15 +27,15 @@ namespace nvrar {
 //   in-memory cell (CPU shared memory, GPU peer store over NVLink): the four words are stored
 //     (relaxed) into the cell's words 3..6 (after the flag word and two aux words), then the flag
 //     word with a release; the receiver's acquire of the flag orders them.
-//   across nodes on the GPU (csrc/cuda/device.cuh, NOTE [gpu call description]): before a step's
-//     data the sender writes the four words into words 3..6 of the receiver's inter cell of that
-//     step (an LL step uses the inter cell of its parity, slot and slice as well): four
-//     nvshmemx_signal_op SETs (value puts, no source buffer), then nvshmem_fence, then the data
-//     put-with-signal or the LL packets; with nvshmem_ptr reaching the peer (direct mode), plain
-//     stores and __threadfence_system instead. The receiver compares them once the flag, or every
-//     LL packet, arrived, before it touches the data. Four more small operations per step, and
-//     the fence, whose cost depends on the transport (an ordering point on a proxy transport).
-//     The zones and LL zones of SegmentLayout are unchanged.
+//   across nodes on the GPU (csrc/cuda/device.cuh, NOTE [gpu call description]): inside the
+//     step's own message. Put-with-signal: a trailer of six words (the description, the
+//     step's flag word, the sender's rank) right behind the data, sent in the same put, whose signal NVSHMEM
+//     delivers after all of its bytes; LL: eight leading packets of the step's packet stream
+//     carry the four words, 4 bytes each under the packets' flag. The receiver compares them
+//     once the signal, or the packets, arrived, before it touches the data. No extra operation,
+//     no fence, no round trip; 48 (put) or 64 (LL) more bytes per message. The GPU's segment
+//     reserves kGpuDescRoom bytes behind every zone and LL zone slice for it (desc_room of
+//     SegmentLayout; 0 on the CPU, whose layout is unchanged).
 //   across hosts on the CPU (csrc/cpu/ucx.cpp): one active message carries the step's data, then
 //     the cell image (flag word, aux words, description); the receiver copies the data, then the
 //     cell's words with the description, then stores the flag word with a release.
@@ -49,6 +49,16 @@ static_assert(sizeof(CallDesc) == 32, "the call description is four 64-bit words
 
 constexpr unsigned kDescWords = 4;
 constexpr unsigned kDescBytes = sizeof(CallDesc);
+// The trailer of a put-with-signal message across nodes on the GPU: the description, the step's
+// flag word (so that a trailer left from an older round never passes for this one), then the
+// sender's rank (so that bytes a partner echoes back never pass for its own trailer).
+constexpr unsigned kTrailerWords = kDescWords + 2;
+constexpr unsigned kTrailerBytes = kTrailerWords * 8;
+// Packets of an LL stream that carry the description (4 payload bytes each), ahead of the data.
+constexpr unsigned kDescPackets = 2 * kDescWords;
+// Room behind a slice's data in the GPU's zones and LL zones: the trailer after the data's last
+// byte rounded up to 8 bytes (<= 7 + 48), or the description packets' payload (32 bytes).
+constexpr unsigned kGpuDescRoom = 64;
 
 NVRAR_HD bool desc_equal(const CallDesc& a, const CallDesc& b) {
   return a.count == b.count && a.code == b.code && a.n == b.n && a.shape == b.shape;

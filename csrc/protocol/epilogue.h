@@ -219,7 +219,7 @@ NVRAR_HD size_t fused_chunk_rows(const SegmentLayout& L, size_t max_bytes, int G
     return lim / row_bytes;
   }
   const size_t by_staging = (L.staging_bytes / 2) / row_bytes;
-  const size_t by_slot = (L.zone_slice_bytes / row_bytes) * static_cast<size_t>(G);
+  const size_t by_slot = (L.zone_data_bytes() / row_bytes) * static_cast<size_t>(G);
   return by_staging < by_slot ? by_staging : by_slot;
 }
 

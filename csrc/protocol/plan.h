@@ -55,7 +55,8 @@ namespace nvrar {
 // every pair of calls apart (count 100000 and 131409, float32 two-shot, share a signature): the
 // CPU executor also carries the full call description in every flag cell and compares it, and
 // bounds every cross-memory transfer by the buffer the peer advertised (NOTE [call description]
-// in csrc/cpu/segment.h). The GPU transport still compares the signature only.
+// in csrc/cpu/segment.h); the GPU transport carries it in every message too (NOTE [gpu call
+// description] in csrc/cuda/device.cuh).
 //
 // Why parity slots are enough. Write "A(e) -> B(e')" for "A cannot pass point X of round e before B
 // reached point Y of round e'". Three facts hold for every rank r:
@@ -318,6 +319,8 @@ struct SegmentLayout {
   size_t staging_off;      // staging[p] at staging_off + p * staging_bytes (slices at their chunk offsets)
   size_t result_off;       // result[p][b] at result_off + (p * B + b) * zone_slice_bytes
   size_t zones_off;        // zone[p][s][b] at zones_off + ((p * S + s) * B + b) * zone_slice_bytes
+  size_t desc_room;        // bytes behind a slice's data in its zone and LL zone for the call
+                           // description the GPU's inter-node messages carry (0: none, CPU)
   size_t ll_slice_bytes;   // one slice's LL zone (packets of the largest LL shard; 0: LL off)
   size_t llzones_off;      // llzone[p][s][b]: LL packets from the partner (protocol/ll.h)
   size_t llout_off;        // llout[p][s][b]: my packets, packed before the put (GPU)
@@ -341,8 +344,10 @@ struct SegmentLayout {
   }
 
   NVRAR_HD static SegmentLayout make(int G, int num_nodes, size_t max_bytes, size_t min_zone_bytes,
-                                     size_t pool_bytes, size_t cell_stride, int B = 1, size_t ll_max_bytes = 0) {
+                                     size_t pool_bytes, size_t cell_stride, int B = 1, size_t ll_max_bytes = 0,
+                                     size_t desc_room = 0) {
     SegmentLayout L;
+    L.desc_room = desc_room;
     L.G = G;
     L.S = InterSchedule::num_slots_for(num_nodes);
     L.B = B;
@@ -359,11 +364,11 @@ struct SegmentLayout {
     size_t slice = ceil_div(max_bytes, static_cast<size_t>(B)) + kAlignBytes;
     size_t shard = align_up(ceil_div(slice, static_cast<size_t>(G)) + kAlignBytes, kAlignBytes);
     size_t oneshot = ceil_div(min_zone_bytes, static_cast<size_t>(B)) + kAlignBytes;
-    L.zone_slice_bytes = align_up(shard > oneshot ? shard : oneshot, 256);
+    L.zone_slice_bytes = align_up((shard > oneshot ? shard : oneshot) + desc_room, 256);
     L.zone_bytes = L.zone_slice_bytes * static_cast<size_t>(B);
     L.result_off = L.staging_off + 2 * L.staging_bytes;
     L.zones_off = align_up(L.result_off + 2 * L.zone_bytes, kPage);
-    L.ll_slice_bytes = ll_max_bytes > 0 ? align_up(ceil_div(ll_max_bytes, 4) * 8, 256) : 0;
+    L.ll_slice_bytes = ll_max_bytes > 0 ? align_up(ceil_div(ll_max_bytes + desc_room, 4) * 8, 256) : 0;
     const size_t ll_region = 2 * static_cast<size_t>(L.S) * static_cast<size_t>(B) * L.ll_slice_bytes;
     L.llzones_off = align_up(L.zones_off + 2 * static_cast<size_t>(L.S) * L.zone_bytes, kPage);
     L.llout_off = align_up(L.llzones_off + ll_region, kPage);
@@ -404,8 +409,10 @@ struct SegmentLayout {
   // Largest chunk (bytes) whose every slice fits a zone slice whole: the one-shot algorithm across
   // nodes sends whole slices, not shards.
   NVRAR_HD size_t oneshot_chunk_bytes() const {
-    return (zone_slice_bytes - 2 * kAlignBytes) / 64 * 64 * static_cast<size_t>(B);
+    return (zone_data_bytes() - 2 * kAlignBytes) / 64 * 64 * static_cast<size_t>(B);
   }
+  // Bytes of a zone or result slice that data may fill (the rest is the description's room).
+  NVRAR_HD size_t zone_data_bytes() const { return zone_slice_bytes - desc_room; }
 };
 
 // 16-bit signature of a call description: FNV-1a over the fields, folded to 16 bits; 0 is

@@ -11,6 +11,9 @@
 //   bool wait(cell, epoch, sig, Phase, step, peer, &aux0, &aux1)   deadline, abort and signature checks;
 //                                          false: the round failed (GPU); the CPU transport throws
 //   bool put_signal(rank, dst_off, src, bytes, cell, word)  inter-node put, then its flag
+//   void set_inter_bytes(bytes)            (device transports only) the bytes of each inter-node
+//                                          message of this round: where the receiver finds the
+//                                          call description a put carries
 //   void expect(cell, word, peer, Landing)  (before my own put) the put `peer` makes into my zone,
 //                                          flagged in `cell`, is wanted as the Landing says
 //   bool wait_land(cell, epoch, sig, Phase, step, peer, Landing)   wait() for that put, then its
@@ -277,6 +280,9 @@ NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t 
     return inter_node_hd(tp, cfg, n, es, e, sig, sc, b, start, out, final_off);
 #endif
   const bool ll = use_ll(cfg, bytes);
+#if NVRAR_ON_DEVICE
+  tp.set_inter_bytes(bytes);  // where a put's trailer lies (NOTE [gpu call description], device.cuh)
+#endif
   const char* acc = start;  // where my accumulator lives
   for (int i = 0; i < sched.num_steps(); ++i) {
     const InterStep st = sched.step(i);
