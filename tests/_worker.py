@@ -5,6 +5,7 @@ runs TASK, and writes a JSON report. Exit status 0 means the task ran to its end
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -422,6 +423,9 @@ TASKS["store"] = task_store
 
 
 def main() -> int:
+    # The launcher (_launch.py) ends a rank past its deadline with SIGTERM first: every thread's
+    # Python stack goes to stderr, then the default action ends the process.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     task, args, report_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if task not in TASKS and task.startswith("seg_"):
         import _seg_tasks
@@ -439,6 +443,10 @@ def main() -> int:
         import _hosts_tasks
 
         TASKS.update(_hosts_tasks.TASKS)
+    elif task not in TASKS and task.startswith("gpusetup"):
+        import _gpu_setup_tasks
+
+        TASKS.update(_gpu_setup_tasks.TASKS)
     elif task not in TASKS and task.startswith("gpu_"):
         import _gpu_tasks
 
