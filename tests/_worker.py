@@ -13,6 +13,10 @@ import sys
 import time
 import traceback
 
+# The launcher (_launch.py) ends a rank past its deadline with SIGTERM first: every thread's Python
+# stack goes to stderr, then the default action ends the process. Registered before the imports.
+faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
@@ -423,9 +427,6 @@ TASKS["store"] = task_store
 
 
 def main() -> int:
-    # The launcher (_launch.py) ends a rank past its deadline with SIGTERM first: every thread's
-    # Python stack goes to stderr, then the default action ends the process.
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     task, args, report_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if task not in TASKS and task.startswith("seg_"):
         import _seg_tasks

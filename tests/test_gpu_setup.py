@@ -202,3 +202,19 @@ def test_nvshmem4py_step_failure_on_one_rank(step):
     never_called(reports, "GpuExecutor")
     if step == "n4p_init":  # rank 0 initialized: it keeps NVSHMEM (finalizing would wait for rank 1)
         assert reports[0]["n4p_live"] is True and reports[1]["n4p_live"] is False, reports
+
+
+# -- the launcher at its deadline (tests/_launch.py, as tests/gpu uses it) ---------------------------
+
+def test_launcher_stops_hung_ranks_with_their_python_stacks():
+    """Ranks still running at the launcher's deadline get SIGTERM at once, print every thread's
+    Python stack (faulthandler, _worker.py) and end; the launcher says so in their stderr."""
+    import signal
+
+    res = launch(2, "fault", {"G": 1, "victim": 1, "mode": "absent", "at": 0, "timeout": 40}, timeout=15)
+    for r in res:
+        # SIGTERM ends it; SIGKILL only if it was still there KILL_GRACE_S later (a machine overloaded enough)
+        assert r.returncode in (-signal.SIGTERM, -signal.SIGKILL), describe(res)
+        # the stack of where it was (in the task normally; still importing on a machine overloaded enough)
+        assert "(most recent call first):" in r.stderr and "_worker.py" in r.stderr, r.stderr[-3000:]
+        assert f"[launch] rank {r.rank} still running at the 15 s test deadline: stopped (SIGTERM" in r.stderr
