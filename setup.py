@@ -6,11 +6,15 @@
   environment when it finds nvcc). NVRAR_CUDA=0 skips it; NVRAR_CUDA=1 makes its absence an error.
   NVRAR_CUDA_ARCHS (default "80;90") lists the compute capabilities to compile for.
   NVRAR_BUILD_JOBS (default: the number of CPUs) bounds the compilers running at once.
+  NVRAR_CUDA_UNITS (default "all") picks the nvcc units: "smoke" builds a GPU module with the float32
+  and bfloat16 sum instances only (any other element type or reduction fails at launch), "rest"
+  compiles the other units of the full module and links nothing (scripts/gpu_check.sh runs the
+  two at once, its smoke step on the first, then links the full module with "all").
 
-The fused kernel is instantiated once per element type and reduction (12 instances), each in its
-own nvcc process (csrc/cuda/allreduce_inst.cu with NVRAR_INST_T / NVRAR_INST_OP), and the nvcc
+The all-reduce kernel is instantiated once per element type and reduction (12 instances), each in
+its own nvcc process (csrc/cuda/allreduce_inst.cu with NVRAR_INST_T / NVRAR_INST_OP), and the nvcc
 processes run in parallel; so is the fused all-reduce + add + RMSNorm kernel, once per element type (3
-instances, csrc/cuda/fused_inst.cu). The CUDA sources are compiled with nvcc as relocatable device code, device-linked against
+instances, csrc/cuda/fused_inst.cu). With runtime.cu, allreduce.cu and fused.cu: 18 nvcc units. The CUDA sources are compiled with nvcc as relocatable device code, device-linked against
 libnvshmem_device.a, and linked by the host compiler into a module whose only exported symbol is
 its init function (no other library can pick up our NVSHMEM device state).
 """
@@ -52,7 +56,15 @@ BUILD_JOBS = int(os.environ.get("NVRAR_BUILD_JOBS", "0") or 0) or os.cpu_count()
 KERNEL_INSTANCES = [(t, op) for t in ("float", "f16", "bf16", "int32_t") for op in ("OpSum", "OpMax", "OpMin")]
 # The fused all-reduce + add + RMSNorm instances: csrc/cuda/fused_inst.cu once per element type.
 FUSED_INSTANCES = ["float", "f16", "bf16"]
-BUILD_LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "nvrar-cuda-build.log")
+# NVRAR_CUDA_UNITS: "all" (the full module), "smoke" (the instances of scripts/gpu_check.sh's smoke
+# step only: allreduce.cu and fused.cu dispatch to these alone, NVRAR_SMOKE_INSTANCES), "rest" (the
+# full module's units that "smoke" does not compile, no link).
+CUDA_UNITS = os.environ.get("NVRAR_CUDA_UNITS", "all").strip() or "all"
+if CUDA_UNITS not in ("all", "smoke", "rest"):
+    raise SystemExit(f"NVRAR_CUDA_UNITS={CUDA_UNITS!r}: expected all, smoke or rest")
+SMOKE_INSTANCES = [("float", "OpSum"), ("bf16", "OpSum")]
+BUILD_LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build",
+                         "nvrar-cuda-build.log" if CUDA_UNITS == "all" else f"nvrar-cuda-build-{CUDA_UNITS}.log")
 
 
 def find_nvshmem():
@@ -87,16 +99,34 @@ class BuildExt(pybind_build_ext):
         cu = [s for s in ext.sources if s.endswith(".cu")]
         if cu:
             ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
-            ext.extra_objects = self._nvcc(ext, cu) + list(ext.extra_objects or [])
-        super().build_extension(ext)
+            objs = self._nvcc(ext, cu)
+            if CUDA_UNITS == "rest":
+                return  # objects only: the "all" build that follows links them
+            ext.extra_objects = objs + list(ext.extra_objects or [])
+            # The module is linked again when an object (the device link's, rewritten when any
+            # object changed) is newer than it: a .cu edit, or "all" after "smoke".
+            ext.depends = list(ext.depends or []) + objs
+        # A module linked from another unit set ("smoke" before "all") is linked again, whatever the times.
+        stamp = os.path.join(self.build_temp, "cuda", f"linked-units-{ext.name}")
+        linked = open(stamp).read() if cu and os.path.exists(stamp) else CUDA_UNITS
+        force = self.force
+        self.force = force or linked != CUDA_UNITS
+        try:
+            super().build_extension(ext)
+        finally:
+            self.force = force
+        if cu:
+            with open(stamp, "w") as f:
+                f.write(CUDA_UNITS)
         if cu:
             with open(BUILD_LOG, "a") as log:
-                log.write(f"linked {self.get_ext_fullpath(ext.name)}\n")
+                log.write(f"linked {self.get_ext_fullpath(ext.name)} (NVRAR_CUDA_UNITS={CUDA_UNITS})\n")
 
-    def _run(self, cmd):
+    def _run(self, cmd, name=None):
         """Run one CUDA build step; the command, its output and its time also go to
-        build/nvrar-cuda-build.log (pip hides a build's output; CI prints this file). Thread-safe:
-        each step's lines are written at once when it ends."""
+        build/nvrar-cuda-build.log (pip hides a build's output; CI prints this file), with a line
+        "unit NAME: S s" for a compiled unit. Thread-safe: each step's lines are written at once
+        when it ends."""
         start = time.time()
         line = " ".join(shlex.quote(c) for c in cmd)
         result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -104,46 +134,72 @@ class BuildExt(pybind_build_ext):
         print(f"nvrar build: {line}\n{result.stdout}nvrar build: {took:.1f} s, exit {result.returncode}", flush=True)
         with open(BUILD_LOG, "a") as log:
             log.write(f"$ {line}\n{result.stdout}[{took:.1f} s, exit {result.returncode}]\n")
+            if name:
+                log.write(f"unit {name}: {took:.1f} s, exit {result.returncode}\n")
         if result.returncode != 0:
             raise subprocess.CalledProcessError(result.returncode, cmd)
+
+    @staticmethod
+    def units(sources, tmp):
+        """(source, extra defines, object) of every nvcc unit NVRAR_CUDA_UNITS asks for: 18 for
+        "all", 5 for "smoke", the other 15 of the full module for "rest"."""
+        full, smoke = [], []
+        for src in sources:
+            stem = os.path.basename(src)
+            if stem == "allreduce_inst.cu":
+                for t, op in KERNEL_INSTANCES:
+                    unit = (src, [f"-DNVRAR_INST_T={t}", f"-DNVRAR_INST_OP={op}"],
+                            os.path.join(tmp, f"allreduce_{t}_{op}.cu.o"))
+                    full.append(unit)
+                    if (t, op) in SMOKE_INSTANCES:
+                        smoke.append(unit)
+            elif stem == "fused_inst.cu":
+                full += [(src, [f"-DNVRAR_INST_T={t}"], os.path.join(tmp, f"fused_{t}.cu.o")) for t in FUSED_INSTANCES]
+            elif stem in ("allreduce.cu", "fused.cu"):  # the dispatch: to the smoke instances alone there
+                full.append((src, [], os.path.join(tmp, stem + ".o")))
+                smoke.append((src, ["-DNVRAR_SMOKE_INSTANCES"], os.path.join(tmp, stem.replace(".cu", ".smoke.cu.o"))))
+            else:
+                full.append((src, [], os.path.join(tmp, stem + ".o")))
+                smoke.append(full[-1])
+        if CUDA_UNITS == "smoke":
+            return smoke
+        if CUDA_UNITS == "rest":
+            return [u for u in full if u not in smoke]
+        return full
 
     def _nvcc(self, ext, sources):
         os.makedirs(os.path.dirname(BUILD_LOG), exist_ok=True)
         start = time.time()
         with open(BUILD_LOG, "w") as log:
             log.write(f"nvrar GPU executor build, {time.strftime('%Y-%m-%d %H:%M:%S')}, archs {CUDA_ARCHS}, "
-                      f"{BUILD_JOBS} parallel jobs\n")
+                      f"{BUILD_JOBS} parallel jobs, NVRAR_CUDA_UNITS={CUDA_UNITS}\n")
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
         tmp = os.path.join(self.build_temp, "cuda")
         os.makedirs(tmp, exist_ok=True)
-        units = []  # (source, extra defines, object)
-        for src in sources:
-            stem = os.path.basename(src)
-            if stem == "allreduce_inst.cu":
-                for t, op in KERNEL_INSTANCES:
-                    units.append((src, [f"-DNVRAR_INST_T={t}", f"-DNVRAR_INST_OP={op}"],
-                                  os.path.join(tmp, f"allreduce_{t}_{op}.cu.o")))
-            elif stem == "fused_inst.cu":
-                for t in FUSED_INSTANCES:
-                    units.append((src, [f"-DNVRAR_INST_T={t}"], os.path.join(tmp, f"fused_{t}.cu.o")))
-            else:
-                units.append((src, [], os.path.join(tmp, stem + ".o")))
+        units = self.units(sources, tmp)
         todo = []
         for src, defines, obj in units:
             deps = [src] + HEADERS
             if self.force or not os.path.exists(obj) or max(os.path.getmtime(d) for d in deps) > os.path.getmtime(obj):
-                todo.append([ext.nvcc, "-std=c++17", "-O3", "-rdc=true", "-t", "0", *gencode,
-                             "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-O3",
-                             f"-DNVRAR_CUDA_ARCHS=\"{';'.join(CUDA_ARCHS)}\"", *defines,
-                             *[f"-I{d}" for d in ext.include_dirs], "-c", src, "-o", obj])
+                todo.append(([ext.nvcc, "-std=c++17", "-O3", "-rdc=true", "-t", "0", *gencode,
+                              "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-O3",
+                              f"-DNVRAR_CUDA_ARCHS=\"{';'.join(CUDA_ARCHS)}\"", *defines,
+                              *[f"-I{d}" for d in ext.include_dirs], "-c", src, "-o", obj], os.path.basename(obj)))
         # The slowest units (the kernel instances) are listed last: start them first.
         with ThreadPoolExecutor(max_workers=max(1, min(BUILD_JOBS, len(todo) or 1))) as pool:
-            for f in [pool.submit(self._run, cmd) for cmd in reversed(todo)]:
+            for f in [pool.submit(self._run, cmd, name) for cmd, name in reversed(todo)]:
                 f.result()
         objs = [obj for _, _, obj in units]
-        dlink = os.path.join(tmp, "nvrar_cuda_dlink.o")
-        self._run([ext.nvcc, "-dlink", *gencode, "-Xcompiler", "-fPIC", *objs, f"-L{ext.nvshmem_lib}",
-                   "-lnvshmem_device", "-o", dlink])
+        if CUDA_UNITS == "rest":
+            with open(BUILD_LOG, "a") as log:
+                log.write(f"nvcc: {len(todo)} of {len(units)} units compiled, {BUILD_JOBS} jobs, "
+                          f"{time.time() - start:.1f} s wall (no link: NVRAR_CUDA_UNITS=rest)\n")
+            return objs
+        # One device link per unit set, redone only when an object is newer than it.
+        dlink = os.path.join(tmp, "nvrar_cuda_dlink.o" if CUDA_UNITS == "all" else "nvrar_cuda_dlink_smoke.o")
+        if self.force or not os.path.exists(dlink) or max(os.path.getmtime(o) for o in objs) > os.path.getmtime(dlink):
+            self._run([ext.nvcc, "-dlink", *gencode, "-Xcompiler", "-fPIC", *objs, f"-L{ext.nvshmem_lib}",
+                       "-lnvshmem_device", "-o", dlink], "device-link")
         with open(BUILD_LOG, "a") as log:
             log.write(f"nvcc: {len(todo)} of {len(units)} units compiled, {BUILD_JOBS} jobs, "
                       f"{time.time() - start:.1f} s wall (device link included)\n")
@@ -173,7 +229,7 @@ if ucx_include is None:
     print("nvrar: building without UCX's headers: communicators across hosts will raise (install libucx-cu12 "
           "in the build environment to include them)", file=sys.stderr)
 
-ext_modules = [
+ext_modules = [] if CUDA_UNITS == "rest" else [  # "rest" compiles GPU units only, beside a "smoke" build
     Pybind11Extension(
         "nvrar._C",
         sources=["csrc/bindings.cpp", "csrc/bindings_common.cpp", "csrc/cpu/shm_heap.cpp", "csrc/cpu/executor.cpp",

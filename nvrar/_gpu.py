@@ -215,6 +215,7 @@ class Nvshmem4pyInit:
     lock = threading.Lock()
     users = 0
     live = False
+    core: Any = None  # the nvshmem.core initialized, finalized by the last release
 
     @staticmethod
     def unique_id(core: Any) -> bytes:
@@ -246,6 +247,7 @@ class Nvshmem4pyInit:
                              f"initialized) on device {device}; NVSHMEM_DEBUG=WARN says why")
         with cls.lock:
             cls.live = True
+            cls.core = core
 
     @classmethod
     def acquire(cls) -> bool:
@@ -260,12 +262,12 @@ class Nvshmem4pyInit:
         with cls.lock:
             cls.users -= 1
             last = cls.users == 0 and cls.live and finalize
+            core = cls.core
             if last:
                 cls.live = False
-        if last:
-            core, _ = nvshmem4py()
-            if core is not None:
-                core.finalize()  # collective: the last close() of every rank gets here
+                cls.core = None
+        if last and core is not None:
+            core.finalize()  # collective: the last close() of every rank gets here
 
 
 class Executor:

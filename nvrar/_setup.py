@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import NvrarError
 from .settings import AGREED, SECRET_BYTES, Settings
@@ -266,27 +266,82 @@ def cuda_device(rank: int, G: int, count: int) -> int:
     return (rank % G) % count
 
 
+# Testing: a stand-in for the native side of setup_gpu, called instead of nvrar._gpu's loaders:
+# () -> ((GPU module or None, why not), (nvshmem.core or None, why not)). tests/_gpu_setup_tasks.py
+# sets it inside real worker processes, so that the verdict exchange below runs over the real store
+# without a GPU; None (the real modules) in every other use.
+NATIVE_STANDIN: Optional[Callable[[], Tuple[Tuple[Any, Optional[str]], Tuple[Any, Optional[str]]]]] = None
+
+INIT_CHOICES = ("auto", "nvrar", "nvshmem4py")
+
+
+def _natives(choice: str) -> Tuple[Tuple[Any, Optional[str]], Tuple[Any, Optional[str]]]:
+    """((GPU module, why not), (nvshmem.core, why not)). With NVRAR_NVSHMEM_INIT=nvrar, nvshmem4py is
+    imported only where this process imported it already (its initialization may be in force, to be
+    joined): nvrar's own initialization then depends on nothing of nvshmem4py's stack."""
+    if NATIVE_STANDIN is not None:
+        return NATIVE_STANDIN()
+    from . import _gpu
+
+    loaded = _gpu.load()
+    if loaded[0] is None:
+        return loaded, (None, None)
+    if choice == "nvrar" and "nvshmem.core" not in sys.modules:
+        return loaded, (None, "not imported (NVRAR_NVSHMEM_INIT=nvrar)")
+    return loaded, _gpu.nvshmem4py()
+
+
+def _init_choice() -> Tuple[str, str]:
+    """(NVRAR_NVSHMEM_INIT, "") or ("", why it is bad)."""
+    from . import env
+
+    value = (env.get_str("NVRAR_NVSHMEM_INIT") or "auto").lower()
+    if value not in INIT_CHOICES:
+        return "", f"NVRAR_NVSHMEM_INIT={value!r}: expected one of {', '.join(INIT_CHOICES)}"
+    return value, ""
+
+
+def _verdict(boot: Any, what: str, step: Callable[[], Any], shared: bool = False) -> Any:
+    """step() on this rank, its failure (any exception) exchanged with every rank's verdict: where
+    no rank failed, returns what step() returned (``shared``: every rank's value, a JSON-able one,
+    in rank order), else raises NvrarError naming every rank that failed, on every rank (none is
+    left waiting in a later collective)."""
+    out, mine = None, {"error": "", "value": None}
+    try:
+        out = step()
+    except Exception as exc:  # noqa: BLE001 - native and nvshmem4py errors of any type travel as text
+        mine["error"] = f"{what}: {exc if isinstance(exc, NvrarError) else f'{type(exc).__name__}: {exc}'}"
+    if shared:
+        mine["value"] = out
+    everyone = boot.allgather_json(mine, what)
+    _raise_failed(everyone)
+    return [s["value"] for s in everyone] if shared else out
+
+
 def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[Any, int]:
     """(the GPU executor, this rank's CUDA device). NVSHMEM is joined where this process has it
-    initialized already (nvshmem4py, by the user), else initialized through nvshmem4py where it
-    is installed, else by nvrar itself (docs/gpu/executor.md, "nvrar and nvshmem4py")."""
+    initialized already (nvshmem4py, by the user), else initialized as NVRAR_NVSHMEM_INIT says:
+    through nvshmem4py where it is installed (auto) or always (nvshmem4py), or by nvrar itself
+    (nvrar, or auto without nvshmem4py); docs/gpu/executor.md, "nvrar and nvshmem4py"."""
     from . import _gpu
 
     # Everything that can fail locally is checked, and the verdicts exchanged, before the
     # collective NVSHMEM setup: a rank must not leave the others waiting in it. No NVSHMEM call
     # is made before a CUDA device is known to be there (without one, NVSHMEM ends the process).
-    mod, err = _gpu.load()
+    choice, bad_choice = _init_choice()
+    (mod, err), (core, core_err) = _natives(choice) if not bad_choice else ((None, bad_choice), (None, None))
     status: Dict[str, Any] = {"error": f"device='cuda': {err}" if mod is None else "", "device": -1, "mode": "",
-                              "by": ""}
-    core = None
+                              "by": "", "init": choice}
     if mod is not None:
-        n, why = mod.device_count()
-        if n == 0:
-            status["error"] = f"device='cuda' needs a CUDA device: {why}"
-        else:
-            status["device"] = cuda_device(rank, G, n)
-            core, _ = _gpu.nvshmem4py()
-            status.update(_nvshmem_mode(mod, core, rank, world))
+        try:
+            n, why = mod.device_count()
+            if n == 0:
+                status["error"] = f"device='cuda' needs a CUDA device: {why}"
+            else:
+                status["device"] = cuda_device(rank, G, n)
+                status.update(_nvshmem_mode(mod, core, rank, world, choice, core_err))
+        except Exception as exc:  # noqa: BLE001 - a native failure here is this rank's verdict
+            status["error"] = f"device='cuda': {type(exc).__name__}: {exc}"
     statuses = boot.allgather_json(status, "device status")
     _raise_failed(statuses)
     _check_modes(statuses)
@@ -296,33 +351,44 @@ def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[A
     uid = b""
     n4p_ref = False
     if mode == "nvrar":
-        uid = boot.allgather(mod.unique_id() if rank == 0 else b"")[0]
+        # Rank 0's unique id travels with every rank's verdict: its failure is raised on every rank.
+        uid = bytes.fromhex(_verdict(boot, "NVSHMEM unique id", lambda: mod.unique_id().hex() if rank == 0 else "",
+                                     shared=True)[0])
     elif mode == "nvshmem4py":
-        # NVSHMEM sizes its heap when nvshmem4py initializes it: nvrar's default first.
-        mod.set_symmetric_size_default(rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes,
-                                       pool_bytes=st.heap_bytes, oneshot_max_bytes=st.oneshot_max(G),
-                                       ll_max_bytes=st.ll_max_bytes, max_blocks=st.max_blocks)
-        uid = boot.allgather(_gpu.Nvshmem4pyInit.unique_id(core) if rank == 0 else b"")[0]
-        done = {"error": ""}
-        try:
-            _gpu.Nvshmem4pyInit.init(core, device, rank, world, uid)
-        except NvrarError as exc:
-            done["error"] = str(exc)
+        def size_and_uid() -> str:
+            # NVSHMEM sizes its heap when nvshmem4py initializes it: nvrar's default first.
+            mod.set_symmetric_size_default(rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes,
+                                           pool_bytes=st.heap_bytes, oneshot_max_bytes=st.oneshot_max(G),
+                                           ll_max_bytes=st.ll_max_bytes, max_blocks=st.max_blocks)
+            return _gpu.Nvshmem4pyInit.unique_id(core).hex() if rank == 0 else ""
+
+        uid = bytes.fromhex(_verdict(boot, "nvshmem4py unique id", size_and_uid, shared=True)[0])
         # A rank that initialized keeps NVSHMEM when another failed (finalizing would wait for it).
-        _raise_failed(boot.allgather_json(done, "nvshmem4py init status"))
+        _verdict(boot, "nvshmem4py init", lambda: _gpu.Nvshmem4pyInit.init(core, device, rank, world, uid))
         n4p_ref = _gpu.Nvshmem4pyInit.acquire()
         uid = b""
     else:  # "join": over the NVSHMEM initialized in this process (by the user, or by an earlier communicator)
         n4p_ref = _gpu.Nvshmem4pyInit.acquire()
-    try:
-        ex = mod.GpuExecutor(
+
+    def construct() -> Any:
+        return mod.GpuExecutor(
             rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
             oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
             max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, uid=uid)
+
+    # The constructor is collective (NVSHMEM's init, nvshmem_malloc, a barrier): where it returned
+    # on some ranks and raised on others, those holding an executor give it up (abandon: not
+    # collective) and raise with the others, naming the ranks that failed.
+    held: List[Any] = []
+    try:
+        _verdict(boot, "GPU executor", lambda: held.append(construct()))
     except BaseException:
+        for ex in held:
+            ex.abandon()
         if n4p_ref:
             _gpu.Nvshmem4pyInit.release(finalize=False)
         raise
+    ex = held[0]
     for line in mod.env_set_by_nvrar():
         _log.info("nvrar: set %s (not set by the user)", line)
     if mode != "nvrar":
@@ -331,9 +397,12 @@ def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[A
     return _gpu.Executor(ex, n4p_ref), device
 
 
-def _nvshmem_mode(mod: Any, core: Any, rank: int, world: int) -> Dict[str, Any]:
+def _nvshmem_mode(mod: Any, core: Any, rank: int, world: int, choice: str = "auto",
+                  core_error: Optional[str] = None) -> Dict[str, Any]:
     """How this rank comes to NVSHMEM ("join", "nvshmem4py" or "nvrar") and what is wrong with it, if
-    anything: the same host library for nvrar and nvshmem4py, the PE numbering of an NVSHMEM in force."""
+    anything: the same host library for nvrar and nvshmem4py, the PE numbering of an NVSHMEM in force.
+    ``choice`` (NVRAR_NVSHMEM_INIT) decides only where NVSHMEM is not initialized yet: one in force
+    is joined whatever it says."""
     from . import _gpu
 
     out: Dict[str, Any] = {"mode": "", "by": "", "error": ""}
@@ -362,6 +431,11 @@ def _nvshmem_mode(mod: Any, core: Any, rank: int, world: int) -> Dict[str, Any]:
                             f"same processes in the same order as NVSHMEM's PEs")
     elif n4p:
         out["error"] = "device='cuda': nvshmem4py says it is initialized but NVSHMEM's status is 0 (not initialized)"
+    elif choice == "nvshmem4py" and core is None:
+        out["error"] = (f"device='cuda': NVRAR_NVSHMEM_INIT=nvshmem4py but nvshmem4py is not usable here: "
+                        f"{core_error or 'it does not import'}")
+    elif choice == "nvrar":
+        out["mode"] = "nvrar"
     else:
         out["mode"] = "nvshmem4py" if core is not None else "nvrar"
     return out
@@ -377,7 +451,11 @@ def _check_modes(statuses: Sequence[Dict[str, Any]]) -> None:
     for r, m in enumerate(modes):
         by_mode.setdefault(m, []).append(r)
     words = {"join": "have NVSHMEM initialized already", "nvshmem4py": "would initialize it through nvshmem4py",
-             "nvrar": "would initialize it without nvshmem4py (not installed there)"}
+             "nvrar": "would initialize it without nvshmem4py (not installed there, or NVRAR_NVSHMEM_INIT=nvrar)"}
+    choices = [s.get("init", "auto") for s in statuses]
+    differ = ("; NVRAR_NVSHMEM_INIT differs: " + ", ".join(f"rank {r}: {c}" for r, c in enumerate(choices))
+              if len(set(choices)) > 1 else "")
     raise NvrarError("Communicator(device='cuda'): the ranks do not come to NVSHMEM alike: " + "; ".join(
-        f"ranks {rs} {words.get(m, m)}" for m, rs in sorted(by_mode.items())) +
-        "; initialize NVSHMEM on every rank or on none, and install nvshmem4py on every rank or on none")
+        f"ranks {rs} {words.get(m, m)}" for m, rs in sorted(by_mode.items())) + differ +
+        "; initialize NVSHMEM on every rank or on none, install nvshmem4py on every rank or on none, and set "
+        "NVRAR_NVSHMEM_INIT alike everywhere")

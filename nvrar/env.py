@@ -98,6 +98,15 @@ VARIABLES: Dict[str, EnvVar] = {
             "HMAC). Unset: the store serves only this user's processes on this host (socket owner checked). "
             "Needed when ranks on several hosts rendezvous through it.",
         ),
+        EnvVar(
+            "NVRAR_NVSHMEM_INIT",
+            "auto",
+            "GPU executor, where NVSHMEM is not initialized yet in the process: auto initializes it through "
+            "nvshmem4py where nvshmem4py is installed and imports, else by nvrar itself (a unique id from "
+            "rank 0); nvrar always by nvrar itself (nvshmem4py is then not imported); nvshmem4py always through "
+            "nvshmem4py (every rank raises where it does not import). An NVSHMEM already initialized is joined "
+            "whatever this says. Must be equal on every rank.",
+        ),
         EnvVar("NVRAR_JITTER_SEED", str(_defaults.JITTER_SEED), "Testing: seed of the jitter generator (mixed with the rank)."),
         EnvVar(
             "NVRAR_CMA",

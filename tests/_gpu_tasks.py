@@ -6,6 +6,7 @@ through NVSHMEM puts and signals."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -26,16 +27,91 @@ if LOAD not in _LOADS:
     raise ValueError(f"NVRAR_GPU_TEST_LOAD={LOAD!r}: expected one of {sorted(_LOADS)}")
 SCALE = _LOADS[LOAD]
 
+# The device deadline of every GPU task's communicator (NVRAR_GPU_TEST_TIMEOUT, seconds): a kernel
+# waiting longer for a peer raises with the error record (phase, step, peer). scripts/gpu_check.sh
+# sets it below the launcher's deadline (NVRAR_GPU_LAUNCH_TIMEOUT), itself below pytest-timeout's,
+# so that a hang is reported by the kernel first, then by every rank's Python stack.
+TEST_TIMEOUT = float(os.environ.get("NVRAR_GPU_TEST_TIMEOUT", "120"))
+if not TEST_TIMEOUT > 0:
+    raise ValueError(f"NVRAR_GPU_TEST_TIMEOUT={TEST_TIMEOUT!r}: expected seconds > 0")
+_T0 = time.monotonic()
+
+
+def progress(what: str) -> None:
+    """A progress line on stderr (the launcher shows its tail when a rank fails or hangs)."""
+    print(f"[rank {os.environ.get('RANK', '?')} +{time.monotonic() - _T0:.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+class Traced:
+    """A communicator whose every all_reduce says on stderr that call k was enqueued, then that it
+    synchronized (the device is synchronized after each call: the tasks read every result at once
+    anyway, so the order of the work is unchanged and a hang is located to its call)."""
+
+    def __init__(self, comm: nvrar.Communicator) -> None:
+        self._comm = comm
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def all_reduce(self, x, *args, **kwargs):
+        self.calls += 1
+        k = self.calls
+        res = self._comm.all_reduce(x, *args, **kwargs)
+        progress(f"call {k} enqueued ({describe_call(x, args, kwargs)})")
+        torch.cuda.synchronize()
+        progress(f"call {k} synchronized")
+        return res
+
+
+def describe_call(x, args, kwargs) -> str:
+    shape = tuple(getattr(x, "shape", ()))
+    op = args[0] if args else kwargs.get("op", "sum")
+    return f"{getattr(x, 'dtype', type(x).__name__)} {shape} {op} {kwargs.get('algorithm') or 'auto'}"
+
 
 def _comm(args: dict) -> nvrar.Communicator:
     torch.cuda.set_device(int(os.environ.get("NVRAR_TEST_GPU", "0")))
-    return nvrar.Communicator(device="cuda", ranks_per_node=args["G"], max_bytes=args.get("max_bytes", SCALE["max_bytes"]),
-                              timeout=args.get("timeout", 120))
+    t0 = time.monotonic()
+    progress(f"init: Communicator(device='cuda', ranks_per_node={args['G']}), NVRAR_NVSHMEM_INIT="
+             f"{os.environ.get('NVRAR_NVSHMEM_INIT', 'auto')}, device deadline {args.get('timeout', TEST_TIMEOUT):g} s")
+    comm = nvrar.Communicator(device="cuda", ranks_per_node=args["G"], max_bytes=args.get("max_bytes", SCALE["max_bytes"]),
+                              timeout=args.get("timeout", TEST_TIMEOUT))
+    progress(f"init done in {time.monotonic() - t0:.1f} s (rank {comm.rank} of {comm.world_size})")
+    return comm
+
+
+def task_gpu_smoke(args: dict) -> dict:
+    """The first contact (scripts/gpu_check.sh's smoke step): nvrar's own NVSHMEM initialization, then
+    one float32 call of each inter-node protocol path, checked exactly: one-shot with LL packets,
+    two-shot with LL packets, two-shot with put-with-signal. LL carries an inter-node shard of at most
+    NVRAR_LL_MAX_BYTES (32K on the GPU): one-shot exchanges the whole message across nodes, two-shot
+    a 1/G share of it, so 4 KB and 16 KB take LL and 1 MB (shards of 512 KB and more) put-with-signal."""
+    comm = Traced(_comm(args))
+    rank, world = comm.rank, comm.world_size
+    calls = [("one-shot LL", 1024, "one-shot"), ("two-shot LL", 4096, "two-shot"),
+             ("two-shot put-with-signal", 1 << 18, "two-shot")]
+    out: dict = {"failures": [], "calls": []}
+    for name, n, algorithm in calls:
+        base = torch.arange(n, device="cuda", dtype=torch.float32) % 251
+        x = base + rank
+        comm.all_reduce(x, "sum", algorithm=algorithm)
+        want = base * world + sum(range(world))
+        wrong = int((x != want).sum().item())
+        out["calls"].append({"name": name, "bytes": n * 4, "wrong": wrong})
+        if wrong:
+            out["failures"].append(f"rank {rank}: {name}: {wrong} of {n} elements wrong, first "
+                                   f"{x[:4].tolist()} want {want[:4].tolist()}")
+    comm.check()
+    progress("check() passed")
+    comm.close()
+    progress("closed")
+    return out
 
 
 def task_gpu_matrix(args: dict) -> dict:
     _matrix.DEVICE = "cuda"
-    comm = _comm(args)
+    comm = Traced(_comm(args))
     report = _matrix.run_matrix(comm, quick=True)
     report["burst"] = _matrix.run_burst(comm, calls=min(args.get("burst", 200), SCALE["burst"]), seed=args.get("seed", 3), max_count=50000)
     comm.check()
@@ -56,10 +132,14 @@ def task_gpu_graph(args: dict) -> dict:
     with torch.cuda.stream(side):
         x.fill_(1.0)
         comm.all_reduce(x)  # warm-up outside the capture
+    progress("call 1 (warm-up) enqueued")
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    progress("call 1 (warm-up) synchronized")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         comm.all_reduce(x)
+    progress("call 2 captured")
     wrong = 0
     base = torch.arange(n, device="cuda", dtype=torch.float32) % 13
     replays = min(args.get("replays", 1000), SCALE["replays"])
@@ -69,7 +149,9 @@ def task_gpu_graph(args: dict) -> dict:
         g.replay()
         want = base * world + sum((r + i) % 7 for r in range(world))
         if i % 50 == 0 or i == replays - 1:
+            progress(f"replay {i + 1} enqueued")
             torch.cuda.synchronize()
+            progress(f"replay {i + 1} synchronized")
         if not torch.equal(x, want):
             wrong += 1
     comm.check()
@@ -82,12 +164,15 @@ def task_gpu_timeout(args: dict) -> dict:
     comm = _comm(args)
     x = torch.ones(4096, device="cuda")
     comm.all_reduce(x)
+    progress("call 1 enqueued")
     comm.check()
+    progress("call 1 synchronized (check passed)")
     if comm.rank == comm.world_size - 1:
         time.sleep(args["timeout"] + 5)
         return {"absent": True}
     t0 = time.monotonic()
     comm.all_reduce(x)
+    progress("call 2 enqueued (the last rank never calls: it must time out)")
     try:
         comm.check()
         return {"raised": None}
@@ -264,7 +349,8 @@ def task_gpu_n4p_join(args: dict) -> dict:
     _n4p_uid_init(core, rank, world)
     n = args.get("count", 40000)
     before = core.tensor((n,), dtype=torch.float32)  # allocated before nvrar's segment
-    comm = nvrar.Communicator(device="cuda", ranks_per_node=args["G"], timeout=120)
+    comm = nvrar.Communicator(device="cuda", ranks_per_node=args["G"], timeout=TEST_TIMEOUT)
+    progress("init done (joined nvshmem4py's NVSHMEM)")
     after = core.tensor((n,), dtype=torch.float32)
     tensors = {"n4p_before": before, "n4p_after": after, "empty": comm.empty(n, torch.float32),
                "ordinary": torch.empty(n, device="cuda"),
@@ -306,6 +392,6 @@ def task_gpu_n4p_init(args: dict) -> dict:
     return out
 
 
-TASKS = {"gpu_matrix": task_gpu_matrix, "gpu_graph": task_gpu_graph, "gpu_timeout": task_gpu_timeout,
+TASKS = {"gpu_smoke": task_gpu_smoke, "gpu_matrix": task_gpu_matrix, "gpu_graph": task_gpu_graph, "gpu_timeout": task_gpu_timeout,
          "gpu_cupy": task_gpu_cupy, "gpu_fused": task_gpu_fused, "gpu_n4p_no_gpu": task_gpu_n4p_no_gpu,
          "gpu_n4p_join": task_gpu_n4p_join, "gpu_n4p_init": task_gpu_n4p_init}

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_worker.py")
+# Between the SIGTERM that ends a rank past its deadline (its Python stacks printed) and the SIGKILL.
+KILL_GRACE_S = 5.0
 
 
 def free_port() -> int:
@@ -39,8 +41,9 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
            start: Optional[List[int]] = None, per_rank_env: Optional[List[Dict[str, str]]] = None) -> List[RankResult]:
     """Run `_worker.py task` on `world` ranks; returns one RankResult per rank (in rank order).
 
-    Each worker writes its JSON report to a file; a worker still running at `timeout` is killed
-    (the test then fails on its return code: a hang is a failure, never a silent pass). `start`
+    Each worker writes its JSON report to a file; workers still running at `timeout` get SIGTERM
+    (each prints every thread's Python stack to its stderr), then SIGKILL after KILL_GRACE_S (the
+    test then fails on their return codes: a hang is a failure, never a silent pass). `start`
     names the ranks to start (default all): the others never arrive."""
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="nvrar-test-")
@@ -66,14 +69,37 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
             procs.append((r, report, subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                       text=True)))
         deadline = time.monotonic() + timeout
+        outputs: Dict[int, Tuple[str, str]] = {}
+        late: List[int] = []
+        for r, _report, p in procs:
+            try:
+                outputs[r] = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                late.append(r)
+                break
+        if late:
+            # Past the deadline: SIGTERM to every rank still running at once (_worker.py has
+            # faulthandler print every thread's Python stack on it), SIGKILL after the grace period.
+            running = [(r, p) for r, _report, p in procs if r not in outputs]
+            stopped = {r for r, p in running if p.poll() is None}
+            for r, p in running:
+                if r in stopped:
+                    p.terminate()
+            grace_end = time.monotonic() + KILL_GRACE_S
+            for r, p in running:
+                how = "SIGTERM"
+                try:
+                    out, err = p.communicate(timeout=max(0.1, grace_end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out, err = p.communicate()
+                    how = f"SIGTERM, then SIGKILL {KILL_GRACE_S:.0f} s later"
+                if r in stopped:
+                    err += f"\n[launch] rank {r} still running at the {timeout:.0f} s test deadline: stopped ({how})"
+                outputs[r] = (out, err)
         results = []
         for r, report, p in procs:
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                err += f"\n[launch] rank {r} killed after the {timeout:.0f} s test deadline"
+            out, err = outputs[r]
             data = None
             if os.path.exists(report):
                 with open(report) as f:

@@ -5,12 +5,17 @@ runs TASK, and writes a JSON report. Exit status 0 means the task ran to its end
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
 import sys
 import time
 import traceback
+
+# The launcher (_launch.py) ends a rank past its deadline with SIGTERM first: every thread's Python
+# stack goes to stderr, then the default action ends the process. Registered before the imports.
+faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -439,6 +444,10 @@ def main() -> int:
         import _hosts_tasks
 
         TASKS.update(_hosts_tasks.TASKS)
+    elif task not in TASKS and task.startswith("gpusetup"):
+        import _gpu_setup_tasks
+
+        TASKS.update(_gpu_setup_tasks.TASKS)
     elif task not in TASKS and task.startswith("gpu_"):
         import _gpu_tasks
 

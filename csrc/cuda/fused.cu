@@ -10,6 +10,13 @@
 namespace nvrar {
 namespace gpu {
 
+// A module built with NVRAR_CUDA_UNITS=smoke (setup.py; NVRAR_SMOKE_INSTANCES) holds no fused
+// instance: scripts/gpu_check.sh's smoke step makes no fused call.
+#ifdef NVRAR_SMOKE_INSTANCES
+cudaError_t launch_fused(const FusedParams&, DType, int, cudaStream_t) { return cudaErrorNotSupported; }
+
+int max_threads_fused() { return 0; }
+#else
 cudaError_t launch_fused(const FusedParams& fp, DType dtype, int threads, cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat32: return launch_fused_instance<float>(fp, threads, stream);
@@ -24,6 +31,7 @@ int max_threads_fused() {
   return std::min({max_threads_fused_instance<float>(), max_threads_fused_instance<f16>(),
                    max_threads_fused_instance<bf16>()});
 }
+#endif
 
 }  // namespace gpu
 }  // namespace nvrar

@@ -1,7 +1,13 @@
-"""The GPU executor on real processes: the correctness matrix on CUDA tensors (with emulated
-nodes, so that inter-node exchanges go through NVSHMEM), the fused all-reduce + add + RMSNorm,
-CUDA-graph replays, the timeout path, cupy input. Several processes may share one GPU (NVSHMEM's multi-process-per-GPU mode): the
-environment below is the one that mode needs."""
+"""The GPU executor on real processes: the timeout path, the correctness matrix on CUDA tensors
+(with emulated nodes, so that inter-node exchanges go through NVSHMEM), CUDA-graph replays, the
+fused all-reduce + add + RMSNorm, cupy input. Several processes may share one GPU (NVSHMEM's
+multi-process-per-GPU mode): the environment below is the one that mode needs. NVSHMEM is
+initialized by nvrar itself here (NVRAR_NVSHMEM_INIT=nvrar): test_gpu_nvshmem4py.py alone goes
+through nvshmem4py, so that a fault of the nvshmem4py stack fails those tests only.
+
+Ordered by what they tell (scripts/gpu_check.sh runs test_gpu_smoke.py before, with --maxfail=1):
+the timeout path first (it proves that a hang is reported with its phase, step and peer, which
+locates any later failure), then the matrix, put-with-signal only, graphs, the fused kernel, cupy."""
 
 import os
 
@@ -24,13 +30,27 @@ ONE_GPU_ENV = {
 LAUNCH_TIMEOUT = float(os.environ.get("NVRAR_GPU_LAUNCH_TIMEOUT", "600"))
 
 
-def env():
+def env(init="nvrar"):
+    """The ranks' environment: one GPU's NVSHMEM settings (the caller's NVSHMEM_* win, NVSHMEM_DEBUG
+    included) and how NVSHMEM is initialized (NVRAR_NVSHMEM_INIT, fixed by the test module)."""
     e = dict(ONE_GPU_ENV)
     e.update({k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")})  # the caller's settings win
+    e["NVRAR_NVSHMEM_INIT"] = init
     return e
 
 
-LAYOUTS = [(2, 1), (2, 2), (4, 2), (3, 1)]
+def test_timeout_raises_at_check():
+    timeout = 5
+    res = launch(3, "gpu_timeout", {"G": 1, "timeout": timeout}, env=env(), timeout=min(120, LAUNCH_TIMEOUT))
+    reports = [r.report for r in res[:2]]
+    for rep in reports:
+        assert rep is not None and rep["raised"] is not None, rep
+        assert rep["is_timeout"], rep
+        assert rep["elapsed"] < timeout + 10, rep
+        assert rep["phase"] in ("reduce-scatter", "inter-node", "all-gather", "one-shot-reduce"), rep
+
+
+LAYOUTS = [(2, 1), (4, 2), (2, 2), (3, 1)]
 
 
 @pytest.mark.parametrize("world,G", LAYOUTS, ids=[f"W{w}G{g}" for w, g in LAYOUTS])
@@ -40,6 +60,19 @@ def test_gpu_matrix(world, G):
         pick = (lambda r: r) if section == "matrix" else (lambda r, s=section: r[s])
         assert all(pick(r)["failures"] == [] for r in reports), [pick(r)["failures"] for r in reports]
         assert len({pick(r)["digest"] for r in reports}) == 1, f"{section}: ranks differ bitwise"
+
+
+def test_gpu_matrix_put_with_signal_only():
+    """LL off: every inter-node exchange is a put-with-signal."""
+    e = env()
+    e["NVRAR_LL_MAX_BYTES"] = "0"
+    reports = assert_all_ok(launch(4, "gpu_matrix", {"G": 2}, env=e, timeout=LAUNCH_TIMEOUT))
+    assert all(r["failures"] == [] and r["burst"]["failures"] == [] for r in reports)
+
+
+def test_cuda_graph_1000_replays():
+    reports = assert_all_ok(launch(2, "gpu_graph", {"G": 1, "replays": 1000}, env=env(), timeout=LAUNCH_TIMEOUT))
+    assert all(r["wrong_replays"] == 0 and r["replays"] >= 30 for r in reports), reports
 
 
 FUSED_LAYOUTS = [(2, 2), (4, 2)]
@@ -60,30 +93,6 @@ def test_gpu_fused_add_rms_norm(world, G):
         assert r["raised"]["numpy"].startswith("TypeError") and "device='cuda'" in r["raised"]["numpy"], r["raised"]
         assert r["raised"]["cpu"].startswith("ValueError") and "cuda:" in r["raised"]["cpu"], r["raised"]
     assert len({r["digest"] for r in reports}) == 1, "ranks differ bitwise"
-
-
-def test_gpu_matrix_put_with_signal_only():
-    """LL off: every inter-node exchange is a put-with-signal."""
-    e = env()
-    e["NVRAR_LL_MAX_BYTES"] = "0"
-    reports = assert_all_ok(launch(4, "gpu_matrix", {"G": 2}, env=e, timeout=LAUNCH_TIMEOUT))
-    assert all(r["failures"] == [] and r["burst"]["failures"] == [] for r in reports)
-
-
-def test_cuda_graph_1000_replays():
-    reports = assert_all_ok(launch(2, "gpu_graph", {"G": 1, "replays": 1000}, env=env(), timeout=LAUNCH_TIMEOUT))
-    assert all(r["wrong_replays"] == 0 and r["replays"] >= 30 for r in reports), reports
-
-
-def test_timeout_raises_at_check():
-    timeout = 5
-    res = launch(3, "gpu_timeout", {"G": 1, "timeout": timeout}, env=env(), timeout=min(120, LAUNCH_TIMEOUT))
-    reports = [r.report for r in res[:2]]
-    for rep in reports:
-        assert rep is not None and rep["raised"] is not None, rep
-        assert rep["is_timeout"], rep
-        assert rep["elapsed"] < timeout + 10, rep
-        assert rep["phase"] in ("reduce-scatter", "inter-node", "all-gather", "one-shot-reduce"), rep
 
 
 def test_cupy_input():

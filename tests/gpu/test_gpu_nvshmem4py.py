@@ -2,7 +2,8 @@
 nvshmem4py"): nvshmem4py first and nvrar joining it, nvrar first initializing through nvshmem4py,
 zero-copy all-reduces of nvshmem.core.tensor buffers (below and above nvrar's segment, buffer
 kinds differing per rank), and nvshmem4py's own calls after nvrar's. Needs nvshmem4py
-(scripts/gpu_check.sh installs it from the wheels carried in .whl/)."""
+(scripts/gpu_check.sh installs it from the wheels carried in .whl/). The only GPU tests that
+initialize NVSHMEM through nvshmem4py (NVRAR_NVSHMEM_INIT=nvshmem4py; test_gpu.py runs nvrar's own)."""
 
 import os
 
@@ -33,7 +34,7 @@ def _check_reduces(r):
 
 
 def test_nvshmem4py_first_then_nvrar_joins():
-    reports = assert_all_ok(launch(2, "gpu_n4p_join", {"G": 2}, env=env(), timeout=LAUNCH_TIMEOUT))
+    reports = assert_all_ok(launch(2, "gpu_n4p_join", {"G": 2}, env=env("nvshmem4py"), timeout=LAUNCH_TIMEOUT))
     for rank, r in enumerate(reports):
         _check_reduces(r)
         assert r["symmetric"]["mixed"] is (rank % 2 == 0), r["symmetric"]
@@ -43,7 +44,7 @@ def test_nvshmem4py_first_then_nvrar_joins():
 
 
 def test_nvrar_first_initializes_through_nvshmem4py():
-    reports = assert_all_ok(launch(2, "gpu_n4p_init", {"G": 2}, env=env(), timeout=LAUNCH_TIMEOUT))
+    reports = assert_all_ok(launch(2, "gpu_n4p_init", {"G": 2}, env=env("nvshmem4py"), timeout=LAUNCH_TIMEOUT))
     for r in reports:
         assert r["n4p_initialized"] is True and r["status"] >= 2, r
         _check_reduces(r)
