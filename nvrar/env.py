@@ -121,6 +121,20 @@ VARIABLES: Dict[str, EnvVar] = {
             "CPU executor: smallest shard moved by cross-memory reads and writes. Unset, with more "
             "ranks than cores, no shard is (they are staged through the shared segment).",
         ),
+        EnvVar(
+            "NVRAR_VLLM",
+            "0",
+            "vLLM plugin (nvrar.integrations.vllm, docs/engines.md): 1 makes vLLM's platform hand out "
+            "nvrar's device communicators (tensor-parallel all-reduce served by nvrar); platform also "
+            "supplies nvrar's platform through vllm.platform_plugins; 0 leaves vLLM as it is.",
+        ),
+        EnvVar(
+            "NVRAR_SGLANG",
+            "0",
+            "SGLang plugin (nvrar.integrations.sglang, docs/engines.md): 1 registers the HookRegistry "
+            "hooks that add the out-of-place method nvrar to SGLang's all-reduce chain and serve CPU "
+            "tensors; 0 leaves SGLang as it is.",
+        ),
     )
 }
 
