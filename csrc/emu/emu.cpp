@@ -401,48 +401,83 @@ void* thread_main(void* p) {
 
 }  // namespace
 
+namespace {
+
+// One PE's launch: its blocks, its threads, the kernel they run.
+class PeLaunchImpl final : public PeLaunch {
+ public:
+  PeLaunchImpl(World::Impl* world, int pe, int blocks, int threads, std::function<void(int)> kernel)
+      : kernel_(std::move(kernel)) {
+    const double timeout_s = world->cfg.barrier_timeout_s;
+    for (int b = 0; b < blocks; ++b) {
+      auto k = std::make_unique<Block>();
+      k->pe = pe;
+      k->b = b;
+      const std::string where = "PE " + std::to_string(pe) + " block " + std::to_string(b);
+      k->bar.init(threads, timeout_s, where);
+      for (int w = 0; w < threads / 32; ++w) {
+        k->warps.push_back(std::make_unique<Warp>());
+        k->warps.back()->bar.init(32, timeout_s, where + " warp " + std::to_string(w));
+      }
+      std::memset(k->smem, 0xa5, sizeof(k->smem));  // shared memory starts as garbage
+      blk_.push_back(std::move(k));
+    }
+    const size_t n = static_cast<size_t>(blocks) * static_cast<size_t>(threads);
+    args_.resize(n);
+    tids_.resize(n);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+#if defined(__SANITIZE_THREAD__)
+    pthread_attr_setstacksize(&attr, 512 * 1024);
+#else
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+#endif
+    size_t k = 0;
+    for (int b = 0; b < blocks; ++b)
+      for (int t = 0; t < threads; ++t, ++k) {
+        args_[k] = ThreadArg{world, blk_[static_cast<size_t>(b)].get(), pe, b, t, blocks, threads, &kernel_};
+        const int rc = pthread_create(&tids_[k], &attr, thread_main, &args_[k]);
+        if (rc != 0) die("cannot start emulated thread " + std::to_string(k) + " of " + std::to_string(n) + " on PE " +
+                         std::to_string(pe) + ": " + std::strerror(rc));
+      }
+    pthread_attr_destroy(&attr);
+  }
+  ~PeLaunchImpl() override { wait(); }
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (joined_.load()) return;
+    for (pthread_t t : tids_) pthread_join(t, nullptr);
+    joined_.store(true);
+  }
+  bool done() const override { return joined_.load(); }
+
+ private:
+  std::function<void(int)> kernel_;
+  std::vector<std::unique_ptr<Block>> blk_;
+  std::vector<ThreadArg> args_;
+  std::vector<pthread_t> tids_;
+  std::mutex mu_;
+  std::atomic<bool> joined_{false};
+};
+
+}  // namespace
+
+std::shared_ptr<PeLaunch> World::launch_pe(int pe, int blocks, int threads, std::function<void(int pe)> kernel) {
+  Impl& I = *impl_;
+  if (pe < 0 || pe >= I.cfg.pes || blocks < 0 || threads < 32 || threads % 32 != 0)
+    die("launch_pe: a PE of the world, blocks >= 0 and a multiple of 32 threads");
+  return std::make_shared<PeLaunchImpl>(&I, pe, blocks, threads, std::move(kernel));
+}
+
 void World::launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel) {
   Impl& I = *impl_;
   const int pes = I.cfg.pes;
   if (static_cast<int>(blocks.size()) != pes || threads < 32 || threads % 32 != 0)
     die("launch: one block count per PE and a multiple of 32 threads");
-  std::vector<std::unique_ptr<Block>> blk;
+  std::vector<std::shared_ptr<PeLaunch>> all;
   for (int pe = 0; pe < pes; ++pe)
-    for (int b = 0; b < blocks[static_cast<size_t>(pe)]; ++b) {
-      auto k = std::make_unique<Block>();
-      k->pe = pe;
-      k->b = b;
-      const std::string where = "PE " + std::to_string(pe) + " block " + std::to_string(b);
-      k->bar.init(threads, I.cfg.barrier_timeout_s, where);
-      for (int w = 0; w < threads / 32; ++w) {
-        k->warps.push_back(std::make_unique<Warp>());
-        k->warps.back()->bar.init(32, I.cfg.barrier_timeout_s, where + " warp " + std::to_string(w));
-      }
-      std::memset(k->smem, 0xa5, sizeof(k->smem));  // shared memory starts as garbage
-      blk.push_back(std::move(k));
-    }
-  size_t n = 0;
-  for (int pe = 0; pe < pes; ++pe) n += static_cast<size_t>(blocks[static_cast<size_t>(pe)]) * threads;
-  std::vector<ThreadArg> args(n);
-  std::vector<pthread_t> tids(n);
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-#if defined(__SANITIZE_THREAD__)
-  pthread_attr_setstacksize(&attr, 512 * 1024);
-#else
-  pthread_attr_setstacksize(&attr, 256 * 1024);
-#endif
-  size_t k = 0, bi = 0;
-  for (int pe = 0; pe < pes; ++pe)
-    for (int b = 0; b < blocks[static_cast<size_t>(pe)]; ++b, ++bi)
-      for (int t = 0; t < threads; ++t, ++k) {
-        args[k] = ThreadArg{&I, blk[bi].get(), pe, b, t, blocks[static_cast<size_t>(pe)], threads, &kernel};
-        const int rc = pthread_create(&tids[k], &attr, thread_main, &args[k]);
-        if (rc != 0) die("cannot start emulated thread " + std::to_string(k) + " of " + std::to_string(n) + ": " +
-                         std::strerror(rc));
-      }
-  pthread_attr_destroy(&attr);
-  for (size_t j = 0; j < n; ++j) pthread_join(tids[j], nullptr);
+    if (blocks[static_cast<size_t>(pe)] > 0) all.push_back(launch_pe(pe, blocks[static_cast<size_t>(pe)], threads, kernel));
+  for (auto& l : all) l->wait();
 }
 
 // The primitives.

@@ -53,6 +53,13 @@ struct WireOp {
   int64_t sig_offset = -1;  // put-with-signal: the signal word's offset in the target's segment
 };
 
+// A launch on one PE (World::launch_pe): its threads run until the kernel returns on each.
+struct PeLaunch {
+  virtual ~PeLaunch() = default;
+  virtual void wait() = 0;        // until every thread of the launch has returned
+  virtual bool done() const = 0;  // whether they have
+};
+
 struct ProxyStats {
   uint64_t puts = 0;
   uint64_t pieces = 0;
@@ -73,6 +80,10 @@ class World {
   // launches nothing, it never arrives), and returns when every thread has returned (the proxy
   // keeps delivering in the background).
   void launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel);
+  // Runs kernel(pe) in blocks x threads OS threads of PE `pe`, all started before it returns;
+  // returns a handle to wait on. Launches of different PEs (and several of one PE) run
+  // concurrently. The handle's destructor waits.
+  std::shared_ptr<PeLaunch> launch_pe(int pe, int blocks, int threads, std::function<void(int pe)> kernel);
   // Until the proxy delivered everything issued so far.
   void quiet();
   ProxyStats stats() const;
