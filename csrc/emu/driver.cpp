@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <atomic>
 #include <map>
 #include <random>
 #include <sstream>
@@ -35,12 +36,14 @@
 #include "kernels.h"
 #include "ledger.h"
 
+// ThreadSanitizer calls __tsan_on_report inside its report, holding its thread registry: the
+// count is atomic, since a plain counter raced by two reports would itself be reported from
+// inside a report and deadlock the run instead of failing the case.
+static std::atomic<int> g_tsan_reports{0};
 #if defined(__SANITIZE_THREAD__)
-static int g_tsan_reports = 0;
-extern "C" void __tsan_on_report(void*) { ++g_tsan_reports; }
+extern "C" void __tsan_on_report(void*) { g_tsan_reports.fetch_add(1, std::memory_order_relaxed); }
 constexpr bool kTsan = true;
 #else
-static int g_tsan_reports = 0;
 constexpr bool kTsan = false;
 #endif
 
@@ -1379,7 +1382,7 @@ int main(int argc, char** argv) {
       ++wd_gen;
       wd_cv.notify_all();
     }
-    const int reports0 = g_tsan_reports;
+    const int reports0 = g_tsan_reports.load();
     const auto t0 = std::chrono::steady_clock::now();
     std::string why;
     try {
@@ -1388,7 +1391,7 @@ int main(int argc, char** argv) {
       why = e.what();
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (why.empty() && g_tsan_reports != reports0) why = std::to_string(g_tsan_reports - reports0) + " ThreadSanitizer report(s)";
+    if (why.empty() && g_tsan_reports.load() != reports0) why = std::to_string(g_tsan_reports.load() - reports0) + " ThreadSanitizer report(s)";
     if (why.empty()) {
       ++passed;
       std::printf("PASS %s (%.2f s)\n", c.name.c_str(), dt);

@@ -280,7 +280,27 @@ struct World::Impl {
     op.gen = fence_gen[static_cast<size_t>(src)];
     op.seq = seq++;
     op.to = to;
-    op.data.assign(static_cast<const unsigned char*>(data), static_cast<const unsigned char*>(data) + bytes);
+    // The snapshot reads the source as the NIC does, in words: relaxed atomic loads. A source
+    // written with relaxed atomics (an LL stream, a put's trailer) is reused two rounds later,
+    // ordered by causality through LL packets that carry no acquire (the partner's next message
+    // needed this one's data); ThreadSanitizer cannot follow that chain, so with a plain copy a
+    // gathered channel's stream (read here by its channel's last block, rewritten in round e + 2
+    // by another block) was reported. A source written with plain stores still races with this
+    // read where nothing orders them.
+    op.data.resize(bytes);
+    {
+      const char* from = static_cast<const char*>(data);
+      size_t i = 0;
+      for (; i < bytes && (reinterpret_cast<uintptr_t>(from + i) & 7) != 0; ++i)
+        op.data[i] = static_cast<unsigned char>(std::atomic_ref<char>(const_cast<char&>(from[i])).load(std::memory_order_relaxed));
+      for (; i + 8 <= bytes; i += 8) {
+        const uint64_t w =
+            std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(const_cast<char*>(from + i))).load(std::memory_order_relaxed);
+        std::memcpy(op.data.data() + i, &w, 8);
+      }
+      for (; i < bytes; ++i)
+        op.data[i] = static_cast<unsigned char>(std::atomic_ref<char>(const_cast<char&>(from[i])).load(std::memory_order_relaxed));
+    }
     for (size_t off = 0; off < bytes;) {
       size_t len = 8 * std::uniform_int_distribution<size_t>(1, std::max<size_t>(1, cfg.max_piece_bytes / 8))(rng);
       const size_t misalign = reinterpret_cast<uintptr_t>(to + off) & 7;
