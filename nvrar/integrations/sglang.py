@@ -114,9 +114,10 @@ def _around_all_reduce(original: Callable, group: Any, input_: Any, *args: Any, 
 def _before_destroy(group: Any, *args: Any, **kwargs: Any) -> None:
     serving = _serving(group)
     if serving is not None:
+        name: str = group.unique_name
         group.nvrar = None
-        if _live.get(group.unique_name) is group:
-            del _live[group.unique_name]
+        if _live.get(name) is group:
+            del _live[name]
         serving.close()
     return None
 

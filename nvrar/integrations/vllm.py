@@ -70,7 +70,7 @@ def register() -> None:
     def get_device_communicator_cls(klass: Any) -> str:
         return communicator_for(original())
 
-    cls.get_device_communicator_cls = classmethod(get_device_communicator_cls)  # type: ignore[method-assign]
+    cls.get_device_communicator_cls = classmethod(get_device_communicator_cls)
     setattr(cls, _PATCHED, True)
 
 

@@ -20,7 +20,7 @@ from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicat
 
 from ._common import Serving, spans_hosts
 
-__all__ = ["NvrarCpuCommunicator", "NvrarCudaCommunicator", "stats"]
+__all__ = ["NvrarCpuCommunicator", "NvrarCudaCommunicator", "stats"]  # noqa: F822 (the CUDA one: module __getattr__)
 
 # Groups vLLM gives nvrar: its tensor-parallel groups (unique_name "tp:<n>").
 SERVED_GROUPS = ("tp",)

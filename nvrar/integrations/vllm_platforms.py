@@ -8,7 +8,7 @@ from typing import Any, Dict
 
 from .vllm import communicator_for
 
-__all__ = ["NvrarCpuPlatform", "NvrarCudaPlatform"]
+__all__ = ["NvrarCpuPlatform", "NvrarCudaPlatform"]  # noqa: F822 (made on first use: module __getattr__)
 
 _BASES = {"NvrarCpuPlatform": ("vllm.platforms.cpu", "CpuPlatform"),
           "NvrarCudaPlatform": ("vllm.platforms.cuda", "CudaPlatform")}
