@@ -92,3 +92,38 @@ def test_barrier_that_a_thread_never_reaches_aborts_naming_it():
     assert p.returncode != 0
     assert "PE 0 block 0: __syncthreads not reached by every thread" in p.stderr, p.stderr
     assert "missing thread(s): 5" in p.stderr, p.stderr
+
+
+# -- the wire ledger (scripts/emulate.sh --ledger, docs/gpu/emulation.md "Wire ledger") ------------------
+
+def ledger(layout: str, size: str, *extra: str) -> dict:
+    """The ledger of one emulated call with nvrar.settings' GPU defaults; the script exits 0 only if
+    the call ran and its result was bitwise right."""
+    import json
+
+    r = subprocess.run(["bash", SCRIPT, "--ledger", layout, size, "--seed", "5", *extra], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"--ledger {layout} {size} {extra}: exit {r.returncode}: {r.stderr[-3000:]}"
+    return json.loads(r.stdout)
+
+
+@pytest.mark.skipif(bool(compiler_missing()), reason=compiler_missing() or "ok")
+@pytest.mark.parametrize("layout,size,algorithm", [("2x1", "96K", "auto"), ("2x4", "128K", "auto"),
+                                                   ("2x4", "128K", "two-shot"), ("4x2", "512K", "auto")])
+def test_wire_ledger_gathered_channels_with_empty_slices(layout, size, algorithm):
+    """A call much smaller than the largest chunk leaves slices empty; their blocks still count in on
+    their channel. They once chose LL (0 bytes <= an LL threshold the call had set to 0) while the
+    channel's other blocks chose put-with-signal, and no channel message was ever sent: a hang. Per
+    inter-node step of the call: no fence, quiet, signal operation or remote atomic, and at most the
+    channel count of messages to one peer."""
+    d = ledger(layout, size, "--algorithm", algorithm)
+    steps = [s for s in d["steps"] if s["phase"] == "inter_node"]
+    assert steps, d["steps"]
+    for s in steps:
+        m = s["max"]
+        where = f"{layout} {size} {algorithm} chunk {s['chunk']} step {s['step']}"
+        assert m["fences"] == 0 and m["quiets"] == 0, (where, m)
+        assert m["signal_ops"] == 0 and m["remote_atomics"] == 0, (where, m)
+        assert 1 <= m["messages_max_per_peer"] <= 2, (where, m)  # the executor's default channel count
+        assert m["fences_before_data"] == 0 and m["signal_ops_before_data"] == 0, (where, m)
+    assert d["call"]["max"]["inter_node_bytes"] > 0

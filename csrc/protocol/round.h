@@ -106,8 +106,12 @@ NVRAR_HD void apply_landing(TP& tp, const Landing& lg, const char* data, size_t 
 // epoch bits of its flag (16 bits wrap), and data of the put-with-signal path (any bit pattern)
 // never sits where packets are read. The zeroing is safe: the partner writes this zone again only
 // in round e+2, after it finished e+1, which needed my data of e+1, sent after this round.
+// ll_max_bytes 0 means never, for every size, an empty slice's 0 bytes included: the GPU's
+// call_strides turns LL off for a whole call that way, and a channel whose empty slices went by LL
+// while its others went by put-with-signal would never send (NOTE [channels], device.cuh).
 NVRAR_HD bool use_ll(const RoundConfig& cfg, size_t bytes) {
-  return cfg.L.ll_slice_bytes > 0 && bytes <= cfg.ll_max_bytes && ll_wire_bytes(bytes) <= cfg.L.ll_slice_bytes;
+  return cfg.L.ll_slice_bytes > 0 && cfg.ll_max_bytes > 0 && bytes <= cfg.ll_max_bytes &&
+         ll_wire_bytes(bytes) <= cfg.L.ll_slice_bytes;
 }
 
 // Whether the inter-node steps of an n-byte shard use halving-doubling (NOTE [halving-doubling]):
