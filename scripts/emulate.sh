@@ -183,7 +183,7 @@ PY
     'const bool last = prev == static_cast<unsigned>(ch_end - ch_first) - 1;' 'const bool last = prev == 0;' \
     -- --only "allreduce 3x1 float32 max one-shot n=2500" --only "allreduce 2x2 float32 sum two-shot n=5000" --repeat 2
   m channel-count-unfenced cuda/device.cuh tsan \
-    '      __threadfence();  // releases my part' '' \
+    '      __threadfence();  // releases my part' '      // (mutant: no fence) releases my part' \
     -- --only "allreduce 3x1 float32 max one-shot n=2500" --only "allreduce 2x2 float32 sum two-shot n=5000"
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
