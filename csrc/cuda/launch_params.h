@@ -80,12 +80,29 @@ inline void fill_executor_params(KernelParams& kp, const ExecutorGeometry& g, co
 // so that a channel's slices form one contiguous message. Every block decides LL or
 // put-with-signal alike: by the call's largest message. The same on every rank (the call plan
 // and G); the slots stay inside the segment's regions (the stride never exceeds the layout's).
-inline void call_strides(KernelParams& kp, const CallPlan& c, const ExecutorGeometry& g) {
+// The largest message is slice 0's (shard 0's, two-shot) of the first chunk, by the call's count:
+// a call smaller than a chunk has empty slices after its first, and strides cut for the chunk
+// would pad every channel message with their full strides (at 2x8 512 KB two-shot, 1.8 MB per
+// PE across nodes instead of 64 KB). Counts that differ between ranks give different strides:
+// where they fall in different powers of two the ranks use different slots, and a mismatch may
+// end at the deadline instead of being named (docs/gpu/emulation.md, "Known gaps").
+inline void call_strides(KernelParams& kp, const CallPlan& c, size_t count, const ExecutorGeometry& g) {
   if (g.where.N <= 1) return;
   const size_t es = c.es;
-  const size_t slice_elems = shard_elems(c.chunk_elems, static_cast<int>(es), c.slices);
-  const size_t msg = c.algorithm == Algorithm::kOneShot ? slice_elems * es
-                                                        : shard_elems(slice_elems, static_cast<int>(es), g.where.G) * es;
+  const size_t n0 = count < c.chunk_elems ? count : c.chunk_elems;
+  const size_t slice0 = SegmentLayout::chunk_slice(n0, c.chunk_elems, static_cast<int>(es), c.slices, 0).size();
+  const size_t exact = c.algorithm == Algorithm::kOneShot
+                           ? slice0 * es
+                           : shard_range(slice0, static_cast<int>(es), g.where.G, 0).size() * es;
+  // Rounded up to a power of two (at most the chunk's): counts that differ a little keep one
+  // stride, so that a mismatch meets in the same slots and is named as such.
+  const size_t chunk_slice0 = shard_elems(c.chunk_elems, static_cast<int>(es), c.slices);
+  const size_t chunk_msg = c.algorithm == Algorithm::kOneShot
+                               ? chunk_slice0 * es
+                               : shard_elems(chunk_slice0, static_cast<int>(es), g.where.G) * es;
+  size_t msg = 64;
+  while (msg < exact) msg *= 2;
+  if (msg > chunk_msg) msg = chunk_msg;
   SegmentLayout& L = kp.cfg.L;
   const bool ll = use_ll(kp.cfg, msg);
   L.zone_slice_bytes = std::min(L.zone_slice_bytes, align_up(align_up(msg, 8) + kTrailerBytes, 64));
@@ -115,7 +132,7 @@ inline KernelParams allreduce_params(const CallPlan& c, uintptr_t in, uintptr_t 
   kp.out_pool = c.out_pool;
   fill_executor_params(kp, g, d);
   kp.channels = std::max(1, std::min(g.cfg.channels, c.slices));
-  call_strides(kp, c, g);
+  call_strides(kp, c, count, g);
   return kp;
 }
 
