@@ -794,7 +794,12 @@ LedgerRun run_ledger_t(const LedgerSpec& ls, uint64_t seed) {
   }
   LedgerRun out;
   const bool one_shot = plan.algorithm == Algorithm::kOneShot;
-  out.led = ledger::attribute(ex.world->take_wire_ops(), g.layout, ls.N, ls.G, one_shot);
+  // The call's own slot strides (launch_params.h call_strides), by which its puts land.
+  const SegmentLayout call_layout =
+      gpu::allreduce_params(plan, reinterpret_cast<uintptr_t>(args[0].in), reinterpret_cast<uintptr_t>(args[0].out),
+                            count, ls.dt, RedOp::kSum, g, ex.handles(0))
+          .cfg.L;
+  out.led = ledger::attribute(ex.world->take_wire_ops(), call_layout, ls.N, ls.G, one_shot);
   ledger::PlanInfo& pi = out.plan;
   pi.algorithm = algorithm_name(plan.algorithm);
   pi.chunks = ceil_div(count, plan.chunk_elems);
