@@ -82,8 +82,9 @@ inline void fill_executor_params(KernelParams& kp, const ExecutorGeometry& g, co
 // and G); the slots stay inside the segment's regions (the stride never exceeds the layout's).
 // The largest message is slice 0's (shard 0's, two-shot) of the first chunk, by the call's count:
 // a call smaller than a chunk has empty slices after its first, and strides cut for the chunk
-// would pad every channel message with their full strides (at 2x8 512 KB two-shot, 1.8 MB per
-// PE across nodes instead of 64 KB). Counts that differ between ranks give different strides:
+// pad every channel message with their full strides (wire ledger, 2x8 512 KB bf16 two-shot:
+// 1,836,016 bytes per PE across nodes with the chunk's strides, 918,512 with these; the floor is
+// 65,536, and the rest is the empty slices' strides, docs/gpu/emulation.md "Known gaps"). Counts that differ between ranks give different strides:
 // where they fall in different powers of two the ranks use different slots, and a mismatch may
 // end at the deadline instead of being named (docs/gpu/emulation.md, "Known gaps").
 inline void call_strides(KernelParams& kp, const CallPlan& c, size_t count, const ExecutorGeometry& g) {
