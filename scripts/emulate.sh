@@ -6,7 +6,7 @@
 #   scripts/emulate.sh --mutations [--seed N]
 #   scripts/emulate.sh --coverage [--quick] [--seed N]
 #   scripts/emulate.sh --ledger LAYOUT SIZE [--algorithm auto|one-shot|two-shot] [--dtype bfloat16|float32]
-#                      [--threads N] [--seed N]
+#                      [--threads N] [--seed N] [--channels C] [--ll-max-bytes SIZE]
 #
 # --tsan       build and run under ThreadSanitizer (fence model: csrc/emu/emu.cpp); a report fails
 #              its case
@@ -23,7 +23,8 @@
 #              read here with python3; threads per block default to 32. The one mode whose stdout
 #              is not the summary line: it prints exactly one JSON document (nvrar.wire-ledger/1),
 #              the build's output goes to stderr; exit 0 only if the call ran and its result was
-#              bitwise right
+#              bitwise right; --channels and --ll-max-bytes replace those defaults (the candidates
+#              that the model weighs against the defaults' choice: scripts/wire_candidates.sh)
 # Otherwise: exit status 0 only if every case passes; the last line is
 #   emulated device: N cases passed, M failed (tsan: on|off)
 # Environment: CXX (default g++), NVRAR_BUILD_JOBS (parallel compiles, default 2), NVRAR_EMU_BUILD
@@ -40,8 +41,8 @@ while [ $# -gt 0 ]; do
     --seed) seed=${2:?--seed needs a number}; shift ;;
     --only) only+=(--only "${2:?--only needs a substring}"); shift ;;
     --ledger) ledger=("${2:?--ledger needs LAYOUT SIZE}" "${3:?--ledger needs LAYOUT SIZE}"); shift 2 ;;
-    --algorithm|--dtype|--threads) ledger_opts+=("$1" "${2:?$1 needs a value}"); shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    --algorithm|--dtype|--threads|--channels|--ll-max-bytes) ledger_opts+=("$1" "${2:?$1 needs a value}"); shift ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "emulate.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -263,7 +264,7 @@ PY
 
 if [ ${#ledger[@]} -gt 0 ]; then
   [ "$tsan$mutations$coverage$quick" = 0000 ] && [ ${#only[@]} = 0 ] ||
-    { echo "emulate.sh: --ledger takes --algorithm, --dtype, --threads and --seed only" >&2; exit 2; }
+    { echo "emulate.sh: --ledger takes --algorithm, --dtype, --threads, --channels, --ll-max-bytes and --seed only" >&2; exit 2; }
   defaults=$(gpu_defaults) || { echo "emulate.sh: cannot read nvrar.settings' GPU defaults" >&2; exit 3; }
   kernel=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
   # The device code's own version: the last commit that changed it (and -dirty if it has changes).

@@ -31,12 +31,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
     const size_t n = kp.count - first < kp.chunk_elems ? kp.count - first : kp.chunk_elems;
     tp.desc = CallDesc{kp.count, kp.code, n, kp.shape};
     const Range sl = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, b);
-    // The inter-node message of my channel's last block (NOTE [channels], device.cuh).
-    const Range last = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, tp.ch_end - 1);
-    tp.ch_last_bytes = (kp.algorithm == Algorithm::kOneShot ? last.size()
-                                                             : shard_range(last.size(), kp.es, kp.cfg.where.G,
-                                                                           kp.cfg.where.local).size()) *
-                       static_cast<size_t>(kp.es);
+    // My channel's wire (NOTE [channels], device.cuh): up to its last block whose inter-node
+    // message is not empty (the channel's first block when all are), and that block's bytes.
+    // A chunk's empty slices are its last ones, so the parts before it are all in the wire.
+    auto inter_msg = [&](int j) {
+      const Range r = SegmentLayout::chunk_slice(n, kp.chunk_elems, kp.es, B, j);
+      return (kp.algorithm == Algorithm::kOneShot ? r.size()
+                                                  : shard_range(r.size(), kp.es, kp.cfg.where.G, kp.cfg.where.local).size()) *
+             static_cast<size_t>(kp.es);
+    };
+    tp.ch_wire_last = tp.ch_end - 1;
+    while (tp.ch_wire_last > tp.ch_first && inter_msg(tp.ch_wire_last) == 0) --tp.ch_wire_last;
+    tp.ch_last_bytes = inter_msg(tp.ch_wire_last);
     const size_t at = (first + sl.begin) * static_cast<size_t>(kp.es);
     const Slice s{kp.in + at, kp.out + at, sl.size(), static_cast<size_t>(kp.es), sl.begin * static_cast<size_t>(kp.es),
                   b, kp.in_pool, kp.out_pool};

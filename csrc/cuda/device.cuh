@@ -76,6 +76,14 @@ constexpr int kCellDesc = 3;
 //     ever waits for another block of its own PE: the others go on to their receive.
 //   receive: every block waits on its channel's flag (the cell of b0) or, LL, on its own
 //     packets, then checks its own trailer or description packets (NOTE [gpu call description]).
+//   the wire ends with the part of the channel's last block whose message is not empty
+//     (ch_wire_last; b0 when all are empty: its trailer or description packets still go). A
+//     call smaller than a chunk has empty slices at the chunk's end; their strides used to ride
+//     in the message (2x8 2 MB bf16: 1,836,016 bytes per PE across nodes, the floor 262,144).
+//     A block after ch_wire_last writes no part and checks none (it waits for the flag, LL: for
+//     nothing); the description is compared by b0 and every block up to ch_wire_last, so a
+//     mismatched call is still caught in every channel: a receiver that counts a part the
+//     sender did not send finds a stale trailer (an older round's flag word) or no packets.
 //   LL with nvshmem_ptr reaching the peer (direct stores) has no messages: no gathering.
 // The counter of (parity, slot, channel) is used again in round e + 2 only after its reset: a
 // block counts itself in there only after its round e + 1 passed an inter-node step, which
@@ -127,10 +135,14 @@ struct GpuTransport {
   __device__ void sync() const { __syncthreads(); }
 
   // My channel (NOTE [channels]): blocks [ch_first, ch_end); gathered: it has other blocks than
-  // mine; ch_last_bytes: the inter-node message bytes of its last block in the chunk in flight.
-  int ch = 0, ch_first = 0, ch_end = 1;
+  // mine. In the chunk in flight its message ends with the part of block ch_wire_last (the last
+  // with a non-empty inter-node message, else ch_first), of ch_last_bytes data bytes.
+  int ch = 0, ch_first = 0, ch_end = 1, ch_wire_last = 0;
   bool gathered = false;
   size_t ch_last_bytes = 0;
+  // Whether my part is in my channel's message (a block after ch_wire_last has an empty one,
+  // neither sent nor checked: NOTE [channels]).
+  __device__ bool in_wire() const { return !gathered || static_cast<int>(blockIdx.x) <= ch_wire_last; }
   __device__ void set_channel(int channels, int B, int b) {
     const int C = channels < 1 ? 1 : (channels > kMaxChannels ? kMaxChannels : channels);
     gathered = C < B;
@@ -346,7 +358,7 @@ struct GpuTransport {
       }
       // The sender's description (in node: stored before the flag's release; across nodes: the
       // trailer of the put, NOTE [gpu call description]) must be mine.
-      if (ok && !(inter ? trailer_matches(cell, v, peer) : desc_matches(cell))) {
+      if (ok && (inter ? in_wire() && !trailer_matches(cell, v, peer) : !desc_matches(cell))) {
         fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
         ok = 0;
       }
@@ -379,7 +391,7 @@ struct GpuTransport {
     dirty = true;
     __syncthreads();
     uint64_t* t = trailer_of(const_cast<char*>(src), bytes);
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && in_wire()) {
       st_relaxed_sys(t + 0, desc.count);
       st_relaxed_sys(t + 1, desc.code);
       st_relaxed_sys(t + 2, desc.n);
@@ -399,7 +411,7 @@ struct GpuTransport {
     const SegmentLayout& L = kp.cfg.L;
     if (!chan_arrive(chan_counter((cell - L.inter_cell(0, 0, 0)) / L.cell_stride))) return true;
     const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first);
-    const size_t wire = static_cast<size_t>(ch_end - 1 - ch_first) * L.zone_slice_bytes + align_up(ch_last_bytes, 8) +
+    const size_t wire = static_cast<size_t>(ch_wire_last - ch_first) * L.zone_slice_bytes + align_up(ch_last_bytes, 8) +
                         kTrailerBytes;
     nvshmemx_putmem_signal_nbi_block(kp.my + dst_off - back * L.zone_slice_bytes, src - back * L.zone_slice_bytes, wire,
                                      reinterpret_cast<uint64_t*>(kp.my + cell - back * L.cell_stride), word,
@@ -420,7 +432,9 @@ struct GpuTransport {
     // One quad (4 packets: a 16-byte payload load, two 16-byte stores) per thread and turn.
     uint64_t* to = direct != nullptr ? direct : reinterpret_cast<uint64_t*>(kp.my + out_off);
     const uint64_t hi = static_cast<uint64_t>(flag) << 32;
-    for (size_t q = threadIdx.x; q < kDescQuads + nq; q += blockDim.x) {
+    // A part after my channel's wire is not sent (NOTE [channels]): nothing to pack.
+    const bool pack = direct != nullptr || in_wire();
+    for (size_t q = threadIdx.x; pack && q < kDescQuads + nq; q += blockDim.x) {
       uint64_t pk[kLLQuad];
       if (q < kDescQuads) {
         const uint64_t a = q == 0 ? desc.count : desc.n, b = q == 0 ? desc.code : desc.shape;
@@ -436,7 +450,7 @@ struct GpuTransport {
       st_quad(to + q * kLLQuad, pk, ll_quad_size(bytes, q - kDescQuads));
     }
     const SegmentLayout& L = kp.cfg.L;
-    if (direct == nullptr && gathered) {
+    if (direct == nullptr && gathered && pack) {
       // The rest of my stride in llout: zeros, so that the channel's message leaves only zeros
       // or packets of this round in the partner's LL zone (NOTE [LL zones]).
       const size_t stride = L.ll_slice_bytes / 8;
@@ -451,7 +465,7 @@ struct GpuTransport {
     // NOTE [channels]: the last block of my channel puts every stream of it.
     if (!chan_arrive(chan_counter((dst_off - L.llzones_off) / L.ll_slice_bytes))) return true;
     const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first) * L.ll_slice_bytes;
-    const size_t wire = static_cast<size_t>(ch_end - 1 - ch_first) * L.ll_slice_bytes +
+    const size_t wire = static_cast<size_t>(ch_wire_last - ch_first) * L.ll_slice_bytes +
                         (kDescPackets + ll_packets(ch_last_bytes)) * 8;
     nvshmemx_putmem_nbi_block(kp.my + dst_off - back, reinterpret_cast<char*>(to) - back, wire, rank);
     return true;
@@ -497,6 +511,9 @@ struct GpuTransport {
   // Each packet carries its own flag: no fence, no acquire.
   __device__ bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
     dirty = true;
+    // A part after my channel's wire is neither sent nor awaited (NOTE [channels]); its empty
+    // stream is checked by nobody: the channel's first block checks the description.
+    if (!in_wire() && nvshmem_ptr(kp.my + off, peer) == nullptr) return true;
     const uint32_t flag = ll_flag(e, sig);
     const uint64_t* pk = reinterpret_cast<const uint64_t*>(kp.my + off);
     const uint64_t start = globaltimer();

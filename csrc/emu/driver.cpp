@@ -795,10 +795,11 @@ LedgerRun run_ledger_t(const LedgerSpec& ls, uint64_t seed) {
   LedgerRun out;
   const bool one_shot = plan.algorithm == Algorithm::kOneShot;
   // The call's own slot strides (launch_params.h call_strides), by which its puts land.
-  const SegmentLayout call_layout =
+  const RoundConfig call_cfg =
       gpu::allreduce_params(plan, reinterpret_cast<uintptr_t>(args[0].in), reinterpret_cast<uintptr_t>(args[0].out),
                             count, ls.dt, RedOp::kSum, g, ex.handles(0))
-          .cfg.L;
+          .cfg;
+  const SegmentLayout& call_layout = call_cfg.L;
   out.led = ledger::attribute(ex.world->take_wire_ops(), call_layout, ls.N, ls.G, one_shot);
   ledger::PlanInfo& pi = out.plan;
   pi.algorithm = algorithm_name(plan.algorithm);
@@ -829,10 +830,10 @@ LedgerRun run_ledger_t(const LedgerSpec& ls, uint64_t seed) {
       size_t most = 0, total = 0;
       for (size_t b = 0; b < payload.size(); ++b) {
         total += payload[b];
-        if (use_ll(g.round, payload[b])) ++sp.ll_slices;
+        if (use_ll(call_cfg, payload[b])) ++sp.ll_slices;
         most = std::max(most, payload[b]);
       }
-      sp.protocol = use_ll(g.round, most) ? "ll" : "put_signal";
+      sp.protocol = use_ll(call_cfg, most) ? "ll" : "put_signal";
       sp.payload_bytes = total;
       pi.inter_steps.push_back(sp);
     }
