@@ -374,7 +374,7 @@ def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[A
         return mod.GpuExecutor(
             rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
             oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
-            max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, uid=uid)
+            max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, channels=st.channels, uid=uid)
 
     # The constructor is collective (NVSHMEM's init, nvshmem_malloc, a barrier): where it returned
     # on some ranks and raised on others, those holding an executor give it up (abandon: not

@@ -77,6 +77,13 @@ VARIABLES: Dict[str, EnvVar] = {
             "the GPU's LL logic). Must be equal on every rank.",
         ),
         EnvVar(
+            "NVRAR_GPU_CHANNELS",
+            str(_defaults.GPU_LAUNCH["channels"]),
+            "GPU: messages per peer per inter-node step, 1 to "
+            f"{_defaults.GPU_MAX_CHANNELS} (the blocks' slices are gathered into this many channels; "
+            "nvrar.settings.GPU_LAUNCH['channels'], chosen by the wire model). Must be equal on every rank.",
+        ),
+        EnvVar(
             "NVRAR_HD_MIN_BYTES",
             _defaults.per_device_text(_defaults.HD_MIN_BYTES)
             + f"; {_defaults.size_text(_defaults.HD_MIN_BYTES_HOSTS)} (CPU, ranks on several hosts)",
@@ -237,6 +244,9 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
     cpu = device == "cpu"  # the CPU executor's own variables are read (and checked) only there
     cma_min = get_bytes("NVRAR_CMA_MIN_BYTES") if cpu else None
     cma = get_int("NVRAR_CMA") if cpu else None
+    channels = get_int("NVRAR_GPU_CHANNELS") if not cpu else None
+    if channels is not None and not 1 <= channels <= _defaults.GPU_MAX_CHANNELS:
+        raise ValueError(f"NVRAR_GPU_CHANNELS must be 1 to {_defaults.GPU_MAX_CHANNELS}, got {channels}")
     return _defaults.Settings(
         device=device,
         timeout_s=float(timeout),
@@ -255,4 +265,5 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
         max_blocks=_defaults.GPU_LAUNCH["max_blocks"],
         threads=_defaults.GPU_LAUNCH["threads"],
         block_bytes=_defaults.GPU_LAUNCH["block_bytes"],
+        channels=_defaults.GPU_LAUNCH["channels"] if channels is None else channels,
     )

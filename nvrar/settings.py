@@ -20,7 +20,7 @@ from . import _C
 __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
-           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "CMA_MIN_BYTES", "CMA_MIN_BYTES_OVERSUBSCRIBED", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "AGREED"]
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "GPU_MAX_CHANNELS", "CMA_MIN_BYTES", "CMA_MIN_BYTES_OVERSUBSCRIBED", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -77,7 +77,14 @@ GPU_NATIVE_ABOVE = 2 << 20
 # 64 KB runs on 2 blocks, 256 KB and more on 8-16 SMs (one block up to 256 KB left one SM's load
 # and store bandwidth and one thread's sequential loads as the limit). Messages up to 32 KB stay
 # on one block: fewest flags. Unmeasured on a GPU: scripts/gpu_check.sh's sweep is the check.
-GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 32 << 10}
+#
+# channels: messages per peer per inter-node step (NOTE [channels], csrc/cuda/device.cuh): the
+# blocks' slices are gathered into this many put-with-signal or LL messages, 1 to 4. Chosen by the
+# wire model (nvrar model --wire h100-ndr-ibgda over the ledgers of 2x8 512 KB bf16 with 1, 2 and
+# 4 channels, docs/gpu/ledgers/candidates/2x8-512K-channels-*.json; docs/gpu/wire-model.md,
+# "How the defaults were chosen"): 2. NVRAR_GPU_CHANNELS overrides it.
+GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 32 << 10, "channels": 2}
+GPU_MAX_CHANNELS = 4  # kMaxChannels (device.cuh)
 
 # Smallest shard (bytes) that the CPU executor moves by cross-memory reads and writes (a system
 # call each, which pins the pages) instead of staging it through the shared segment. Two-shot,
@@ -141,7 +148,8 @@ CMA = True
 # rank must use the same values, checked once at construction (field -> name in the error).
 AGREED: Dict[str, str] = {"ranks_per_node": "ranks_per_node", "max_bytes": "max_bytes", "heap_bytes": "heap_bytes",
                           "algorithm": "algorithm", "ll_max_bytes": "NVRAR_LL_MAX_BYTES",
-                          "oneshot_max_bytes": "NVRAR_ONESHOT_MAX_BYTES", "hd_min_bytes": "NVRAR_HD_MIN_BYTES"}
+                          "oneshot_max_bytes": "NVRAR_ONESHOT_MAX_BYTES", "hd_min_bytes": "NVRAR_HD_MIN_BYTES",
+                          "channels": "NVRAR_GPU_CHANNELS"}
 
 
 def size_text(nbytes: int) -> str:
@@ -195,6 +203,7 @@ class Settings:
     max_blocks: int
     threads: int
     block_bytes: int
+    channels: int = GPU_LAUNCH["channels"]  # NVRAR_GPU_CHANNELS; GPU only (the CPU sends per slice)
 
     def agreed(self) -> Dict[str, object]:
         """The values that must be equal on every rank (exchanged as JSON at construction)."""

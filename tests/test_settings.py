@@ -129,6 +129,25 @@ def test_environment_texts_are_the_settings_defaults():
     assert bool(int(v["NVRAR_CMA"].default)) == settings.CMA
 
 
+def test_gpu_channels_default_override_and_agreement(monkeypatch):
+    # GPU_LAUNCH["channels"] is the default; NVRAR_GPU_CHANNELS overrides it (GPU only), 1 to 4, and
+    # is one of the values every rank must agree on.
+    assert 1 <= settings.GPU_LAUNCH["channels"] <= settings.GPU_MAX_CHANNELS == 4
+    assert env.resolve("cuda").channels == settings.GPU_LAUNCH["channels"]
+    assert env.VARIABLES["NVRAR_GPU_CHANNELS"].default == str(settings.GPU_LAUNCH["channels"])
+    assert settings.AGREED["channels"] == "NVRAR_GPU_CHANNELS"
+    for value in ("1", "3", "4"):
+        monkeypatch.setenv("NVRAR_GPU_CHANNELS", value)
+        st = env.resolve("cuda")
+        assert st.channels == int(value) and st.agreed()["channels"] == int(value)
+    for bad in ("0", "5", "-1", "two"):
+        monkeypatch.setenv("NVRAR_GPU_CHANNELS", bad)
+        with pytest.raises(ValueError, match="NVRAR_GPU_CHANNELS"):
+            env.resolve("cuda")
+    # The CPU executor sends per slice: it neither reads nor checks the variable.
+    assert env.resolve("cpu").channels == settings.GPU_LAUNCH["channels"]
+
+
 def test_resolve_arguments_then_environment_then_defaults(monkeypatch):
     for device in ("cpu", "cuda"):
         st = env.resolve(device)
@@ -136,7 +155,7 @@ def test_resolve_arguments_then_environment_then_defaults(monkeypatch):
             settings.MAX_BYTES[device], settings.HEAP_BYTES[device], settings.LL_MAX_BYTES[device])
         assert st.timeout_s == settings.TIMEOUT_S and st.algorithm == settings.ALGORITHM
         assert (st.cma_min_bytes, st.cma_piece_bytes) == (settings.CMA_MIN_BYTES, settings.CMA_PIECE_BYTES)
-        assert (st.max_blocks, st.threads, st.block_bytes) == tuple(settings.GPU_LAUNCH.values())
+        assert (st.max_blocks, st.threads, st.block_bytes, st.channels) == tuple(settings.GPU_LAUNCH.values())
     assert env.resolve("cpu").oneshot_max(2) == settings.CPU_ONESHOT_MAX[2]
     assert env.resolve("cuda").oneshot_max(8) == settings.GPU_ONESHOT_MAX
     monkeypatch.setenv("NVRAR_MAX_BYTES", "64K")

@@ -75,20 +75,21 @@ PYBIND11_MODULE(_cuda, m) {
   py::class_<gpu::GpuExecutor>(m, "GpuExecutor")
       .def(py::init([](int rank, int world, int ranks_per_node, int device, size_t max_bytes, size_t pool_bytes,
                        size_t oneshot_max_bytes, size_t ll_max_bytes, double timeout_s, int max_blocks, int threads,
-                       size_t block_bytes, py::bytes uid) {
+                       size_t block_bytes, int channels, py::bytes uid) {
              gpu::GpuConfig c = layout_config(rank, world, ranks_per_node, max_bytes, pool_bytes, oneshot_max_bytes,
                                               ll_max_bytes, max_blocks);
              c.device = device;
              c.timeout_s = timeout_s;
              c.threads = threads;
              c.block_bytes = block_bytes;
+             c.channels = channels;
              std::string id = uid;
              py::gil_scoped_release release;  // collective: the other ranks need the GIL-free time
              return new gpu::GpuExecutor(c, id);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("device"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("ll_max_bytes"), py::arg("timeout_s"),
-           py::arg("max_blocks"), py::arg("threads"), py::arg("block_bytes"), py::arg("uid"))
+           py::arg("max_blocks"), py::arg("threads"), py::arg("block_bytes"), py::arg("channels"), py::arg("uid"))
       .def(
           "all_reduce",
           [](gpu::GpuExecutor& ex, uintptr_t in, uintptr_t out, size_t count, int dtype, int op, int algorithm,

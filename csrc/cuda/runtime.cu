@@ -264,6 +264,8 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   NVRAR_CHECK(cfg.max_blocks >= 1 && cfg.threads >= 32 && cfg.threads <= 1024 && cfg.block_bytes >= 1,
               "bad launch configuration: max_blocks=", cfg.max_blocks, ", threads=", cfg.threads,
               ", block_bytes=", cfg.block_bytes);
+  NVRAR_CHECK(cfg.channels >= 1 && cfg.channels <= kMaxChannels, "channels must be 1 to ", kMaxChannels, ", got ",
+              cfg.channels, " (NVRAR_GPU_CHANNELS)");
   NVRAR_CHECK(cfg.timeout_s > 0, "timeout must be > 0 s, got ", cfg.timeout_s);
   std::string why;
   NVRAR_CHECK(device_count(&why) > 0, "the GPU executor needs a CUDA device: ", why);
