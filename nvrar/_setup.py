@@ -358,7 +358,7 @@ def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[A
         def size_and_uid() -> str:
             # NVSHMEM sizes its heap when nvshmem4py initializes it: nvrar's default first.
             mod.set_symmetric_size_default(rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes,
-                                           pool_bytes=st.heap_bytes, oneshot_max_bytes=st.oneshot_max(G),
+                                           pool_bytes=st.heap_bytes, oneshot_max_bytes=st.oneshot_max(G, world // G),
                                            ll_max_bytes=st.ll_max_bytes, max_blocks=st.max_blocks)
             return _gpu.Nvshmem4pyInit.unique_id(core).hex() if rank == 0 else ""
 
@@ -373,7 +373,7 @@ def setup_gpu(boot: Any, rank: int, world: int, G: int, st: Settings) -> Tuple[A
     def construct() -> Any:
         return mod.GpuExecutor(
             rank=rank, world=world, ranks_per_node=G, device=device, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
-            oneshot_max_bytes=st.oneshot_max(G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
+            oneshot_max_bytes=st.oneshot_max(G, world // G), ll_max_bytes=st.ll_max_bytes, timeout_s=st.timeout_s,
             max_blocks=st.max_blocks, threads=st.threads, block_bytes=st.block_bytes, channels=st.channels, uid=uid)
 
     # The constructor is collective (NVSHMEM's init, nvshmem_malloc, a barrier): where it returned

@@ -20,6 +20,7 @@ from . import _C
 __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
+           "GPU_ONESHOT_MAX_NODES", "GPU_ONESHOT_MAX_MANY_NODES_LARGE_G",
            "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "GPU_MAX_CHANNELS", "CMA_MIN_BYTES", "CMA_MIN_BYTES_OVERSUBSCRIBED", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
@@ -63,8 +64,17 @@ CPU_ONESHOT_MAX_DEFAULT = 16 << 10
 
 # GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
 # synchronization. Untuned defaults (no GPU measurement yet; `nvrar tune` writes measured tables):
-# 256 KB up to 4 GPUs per node, 64 KB beyond.
+# on one node 256 KB up to 4 GPUs per node, 64 KB beyond.
 GPU_ONESHOT_MAX_SMALL_G, GPU_ONESHOT_MAX = 256 << 10, 64 << 10
+# Across nodes one-shot sends the whole message at every inter-node step (G times two-shot's shard)
+# to save the reduce-scatter's NVLink phase; the wire model (nvrar model, h100-ndr-ibgda, over the
+# emulated ledgers of both algorithms, docs/gpu/wire-model.md "How the defaults were chosen") has it
+# faster only for the smallest messages: at 16 KB on 2x4, 2x8 and 4x2 (2x4: one-shot/LL 7.24 us,
+# two-shot/LL 7.65), slower from 32 KB on two nodes (2x4 32 KB: 8.08 vs 7.90) and at 16 KB on 4x4
+# (10.74 vs 10.63). So: 16 KB on two nodes, and with more nodes (more steps, each carrying the whole
+# message) 16 KB up to 2 GPUs per node and 8 KB beyond. The budget's cells (2x4, 2x8, 4x2 at 128 KB
+# and more) go two-shot, the model's fastest there (tests/test_wire_budget.py).
+GPU_ONESHOT_MAX_NODES, GPU_ONESHOT_MAX_MANY_NODES_LARGE_G = 16 << 10, 8 << 10
 
 # Without a tuning table (nvrar tune): on GPUs the published NVRAR result covers multi-node
 # 128 KB - 2 MB; on one node NCCL's NVLink algorithms are hard to beat, and above a few MB NCCL's
@@ -80,10 +90,13 @@ GPU_NATIVE_ABOVE = 2 << 20
 #
 # channels: messages per peer per inter-node step (NOTE [channels], csrc/cuda/device.cuh): the
 # blocks' slices are gathered into this many put-with-signal or LL messages, 1 to 4. Chosen by the
-# wire model (nvrar model --wire h100-ndr-ibgda over the ledgers of 2x8 512 KB bf16 with 1, 2 and
-# 4 channels, docs/gpu/ledgers/candidates/2x8-512K-channels-*.json; docs/gpu/wire-model.md,
-# "How the defaults were chosen"): 2. NVRAR_GPU_CHANNELS overrides it.
-GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 32 << 10, "channels": 2}
+# wire model over the ledgers of 2x8 512 KB bf16 with 1, 2 and 4 channels
+# (docs/gpu/ledgers/candidates/2x8-512K-channels-*.json; docs/gpu/wire-model.md, "How the defaults
+# were chosen"): 1 is the fastest on every transport (h100-ndr-ibgda 12.55 / 12.85 / 13.45 us,
+# h100-ndr-ibrc 60.25 / 61.25 / 63.25, a100-slingshot 31.42 / 41.43 / 61.44): a step's messages
+# leave in parallel but each costs a post or a proxy command, and the model credits no bandwidth to
+# more of them. NVRAR_GPU_CHANNELS overrides it.
+GPU_LAUNCH: Dict[str, int] = {"max_blocks": 16, "threads": 512, "block_bytes": 32 << 10, "channels": 1}
 GPU_MAX_CHANNELS = 4  # kMaxChannels (device.cuh)
 
 # Smallest shard (bytes) that the CPU executor moves by cross-memory reads and writes (a system
@@ -221,12 +234,17 @@ class Settings:
         halving-doubling threshold across hosts."""
         return replace(self, ll_max_bytes=0, hd_min_bytes=self.hd_min(True))
 
-    def oneshot_max(self, ranks_per_node: int) -> int:
-        """Largest message (bytes) that the auto policy sends through the one-shot variant."""
+    def oneshot_max(self, ranks_per_node: int, nodes: int = 1) -> int:
+        """Largest message (bytes) that the auto policy sends through the one-shot variant, for
+        ``nodes`` nodes of ``ranks_per_node`` ranks (the GPU's threshold knows the node count)."""
         if self.oneshot_max_bytes is not None:
             return self.oneshot_max_bytes
         if self.device == "cpu":
             return CPU_ONESHOT_MAX.get(ranks_per_node, CPU_ONESHOT_MAX_DEFAULT)
+        if nodes > 2:
+            return GPU_ONESHOT_MAX_NODES if ranks_per_node <= 2 else GPU_ONESHOT_MAX_MANY_NODES_LARGE_G
+        if nodes == 2:
+            return GPU_ONESHOT_MAX_NODES
         return GPU_ONESHOT_MAX_SMALL_G if ranks_per_node <= 4 else GPU_ONESHOT_MAX
 
 

@@ -233,7 +233,7 @@ print(f"coverage of the device code: {run_all} of {tot_all} lines ({100.0 * run_
 fi
 
 # nvrar.settings' GPU defaults as the driver takes them (--gpu-defaults K=V,...: GPU_LAUNCH, max_bytes,
-# the LL threshold, the one-shot threshold for every G up to 16, GPU_LAUNCH["channels"] where set),
+# the LL threshold, the one-shot threshold for every NxG up to 16x16, GPU_LAUNCH["channels"] where set),
 # read, never copied. settings.py needs the native module only for its algorithm codes: without a
 # built one, it is loaded under a stand-in package.
 gpu_defaults() {
@@ -253,8 +253,10 @@ except ImportError:
 gpu = st.GPU_LAUNCH
 kv = {"max_blocks": gpu["max_blocks"], "block_bytes": gpu["block_bytes"], "max_bytes": st.MAX_BYTES["cuda"],
       "ll_max_bytes": st.LL_MAX_BYTES["cuda"]}
-for g in range(1, 17):
-    kv[f"oneshot_max.{g}"] = st.Settings.oneshot_max(types.SimpleNamespace(oneshot_max_bytes=None, device="cuda"), g)
+for n in range(1, 17):
+    for g in range(1, 17):
+        kv[f"oneshot_max.{n}x{g}"] = st.Settings.oneshot_max(types.SimpleNamespace(oneshot_max_bytes=None, device="cuda"),
+                                                             g, n)
 if "channels" in gpu:
     kv["channels"] = gpu["channels"]
 print(",".join(f"{k}={int(v)}" for k, v in kv.items()))

@@ -85,11 +85,14 @@ def test_price_ibgda_by_hand():
     # stage-in: 3/4 of the chunk copied (read + write) at 3350 GB/s
     stage = 2 * (3 / 4 * 131072) / 3350e3
     # inter-node: each of the 4 sending blocks: 1 fence x 5.0 + 4 atomics x 5.0, in parallel; 4 posts to
-    # the peer x 0.3 + bytes / 47 GB/s (4 GPUs, 8 NICs: no sharing) + one way 2.5; no consistency step
-    inter = 1 * 5.0 + 4 * 5.0 + 4 * 0.3 + 32896 / 47e3 + 2.5
+    # the peer x 0.3 + bytes / 47 GB/s (4 GPUs, 8 NICs: no sharing) + one way 2.5 + the puts' signal,
+    # an atomic the target NIC runs after the data (1.0, once: the messages go in parallel); no
+    # consistency step
+    inter = 1 * 5.0 + 4 * 5.0 + 4 * 0.3 + 32896 / 47e3 + 2.5 + 1.0
     assert got["total_us"] == pytest.approx(2.6 + stage + 2 * in_node + inter, rel=1e-12)
     steps = {s["phase"]: s for s in got["steps"]}
     assert steps["inter_node"]["terms"]["signal_ops_before_data"] == pytest.approx(20.0)
+    assert steps["inter_node"]["terms"]["signal_atomic"] == pytest.approx(1.0)
     assert steps["inter_node"]["us"] == pytest.approx(inter, rel=1e-12)
     assert got["by_phase_us"]["reduce_scatter"] == pytest.approx(in_node, rel=1e-12)
     assert "never a result" in got["note"]

@@ -158,6 +158,15 @@ def test_resolve_arguments_then_environment_then_defaults(monkeypatch):
         assert (st.max_blocks, st.threads, st.block_bytes, st.channels) == tuple(settings.GPU_LAUNCH.values())
     assert env.resolve("cpu").oneshot_max(2) == settings.CPU_ONESHOT_MAX[2]
     assert env.resolve("cuda").oneshot_max(8) == settings.GPU_ONESHOT_MAX
+    # Across nodes the GPU's threshold knows the node count (the wire model's choice): one-shot only
+    # for the smallest messages, smaller with more nodes and GPUs per node; the CPU's does not.
+    gpu = env.resolve("cuda")
+    assert gpu.oneshot_max(4, 1) == settings.GPU_ONESHOT_MAX_SMALL_G
+    assert gpu.oneshot_max(4, 2) == gpu.oneshot_max(8, 2) == settings.GPU_ONESHOT_MAX_NODES
+    assert gpu.oneshot_max(2, 4) == settings.GPU_ONESHOT_MAX_NODES
+    assert gpu.oneshot_max(4, 4) == gpu.oneshot_max(8, 16) == settings.GPU_ONESHOT_MAX_MANY_NODES_LARGE_G
+    assert all(gpu.oneshot_max(g, n) < 128 << 10 for g in (2, 4, 8) for n in (2, 4, 8, 16))
+    assert env.resolve("cpu").oneshot_max(2, 4) == settings.CPU_ONESHOT_MAX[2]
     monkeypatch.setenv("NVRAR_MAX_BYTES", "64K")
     monkeypatch.setenv("NVRAR_ONESHOT_MAX_BYTES", "2K")
     assert env.resolve("cpu").max_bytes == 65536

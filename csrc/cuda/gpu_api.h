@@ -31,8 +31,8 @@ struct GpuConfig {
   int max_blocks = 0;            // slices (CUDA blocks) per chunk, at most
   int threads = 0;               // threads per block
   // Messages per peer per inter-node step (NOTE [channels], device.cuh), 1..4. nvrar passes
-  // settings.GPU_LAUNCH["channels"] (NVRAR_GPU_CHANNELS); the emulated driver's cases keep 2, so
-  // that its multi-block cases gather slices into channels.
+  // settings.GPU_LAUNCH["channels"] (NVRAR_GPU_CHANNELS, default 1); the emulated driver's cases
+  // keep 2, so that its multi-block cases gather slices into more than one channel.
   int channels = 2;
   double timeout_s = 0;          // deadline of every wait (seconds)
 };

@@ -104,8 +104,19 @@ inline void call_strides(KernelParams& kp, const CallPlan& c, size_t count, cons
   size_t msg = 64;
   while (msg < exact) msg *= 2;
   if (msg > chunk_msg) msg = chunk_msg;
+  // LL or put-with-signal by the step's payload to one peer (every slice's message of the first
+  // chunk: what crosses to the partner per step), rounded up to a power of two like the stride;
+  // NVRAR_LL_MAX_BYTES on the GPU is that payload's limit (settings.LL_MAX_BYTES, chosen by the
+  // wire model). Every block then decides alike (a slice's message is at most the payload).
+  size_t payload = 0;
+  for (int b = 0; b < c.slices; ++b) {
+    const size_t sl = SegmentLayout::chunk_slice(n0, c.chunk_elems, static_cast<int>(es), c.slices, b).size();
+    payload += (c.algorithm == Algorithm::kOneShot ? sl : shard_range(sl, static_cast<int>(es), g.where.G, 0).size()) * es;
+  }
+  size_t payload2 = 64;
+  while (payload2 < payload) payload2 *= 2;
   SegmentLayout& L = kp.cfg.L;
-  const bool ll = use_ll(kp.cfg, msg);
+  const bool ll = use_ll(kp.cfg, payload2) && use_ll(kp.cfg, msg);
   L.zone_slice_bytes = std::min(L.zone_slice_bytes, align_up(align_up(msg, 8) + kTrailerBytes, 64));
   if (ll) {
     L.ll_slice_bytes = std::min(L.ll_slice_bytes, align_up((kDescPackets + ll_packets(msg)) * 8, 32));

@@ -118,6 +118,7 @@ class WireProfile:
     proxy_cmd_us: float  # CPU proxy: one command through the PE's proxy thread
     proxy_fence_us: float  # a fence the transport inserts (putmem_signal on unordered transports)
     consistency_us: float  # one consistency step (proxy-consistency mode); 0 where none is needed
+    signal_atomic_us: float  # IBGDA: a put-with-signal's signal, an atomic the target NIC runs after the data
     launch_us: float  # one kernel launch
     ll_efficiency: float  # payload bytes per LL wire byte (ledger bytes already include the flags)
     sources: Dict[str, str] = field(default_factory=dict, compare=False)
@@ -188,10 +189,16 @@ H100_NDR_IBGDA = WireProfile(
     proxy_cmd_us=0.0,
     proxy_fence_us=0.0,
     consistency_us=0.0,
+    signal_atomic_us=1.0,
     launch_us=2.6,
     ll_efficiency=0.5,
     sources={
         "one_way_us": "estimate: " + _ANCH + ": one-way GPU-initiated put on NDR with IBGDA 2-3 us",
+        "signal_atomic_us": ("estimate: " + _NVSHMEM + " ibgda_device.cuh (put_signal_thread_impl): the data "
+                             "goes as an unsignaled RDMA write and the signal as a trailing atomic work request, "
+                             "which the target NIC runs after the write as a read-modify-write of GPU memory "
+                             "over PCIe: about one PCIe round trip (1 us) after the data is seen; an LL "
+                             "packet's flag arrives with its data"),
         "rtt_us": ("estimate: " + _ANCH + ": a quiet or remote atomic a round trip (4-6 us); GIN measured a "
                    "16.7 us small-message round trip at the collective level (arXiv 2511.15076)"),
         "fence_us": ("estimate: = rtt_us; " + _NVSHMEM + " ibgda_device.cuh: nvshmemi_ibgda_fence runs a quiet "
@@ -222,6 +229,7 @@ H100_NDR_IBRC = WireProfile(
     proxy_cmd_us=1.0,
     proxy_fence_us=6.0,
     consistency_us=3.0,
+    signal_atomic_us=0.0,
     launch_us=2.6,
     ll_efficiency=0.5,
     sources={
@@ -237,6 +245,7 @@ H100_NDR_IBRC = WireProfile(
                          "the PE's one proxy thread"),
         "proxy_fence_us": ("estimate: = rtt_us, priced only if the ledger counts one (IBRC's RC QP is "
                            "ordered, so putmem_signal inserts none)"),
+        "signal_atomic_us": "not applicable: the proxy's signal command is priced in proxy_cmd_us",
         "consistency_us": ("estimate: " + _ANCH + ": with IBRC and no gdrcopy on x86 (init.cu) each "
                            "nvshmem_uint64_wait_until adds a proxy round trip (proxy.cpp: "
                            "cuFlushGPUDirectRDMAWrites or a loopback read): GPU to proxy, a loopback read, back"),
@@ -257,6 +266,7 @@ A100_SLINGSHOT = WireProfile(
     proxy_cmd_us=1.0,
     proxy_fence_us=8.0,
     consistency_us=0.0,
+    signal_atomic_us=0.0,
     launch_us=2.6,
     ll_efficiency=0.5,
     sources={
@@ -272,6 +282,8 @@ A100_SLINGSHOT = WireProfile(
                            "nvshmemx_putmem_signal_nbi_block inserts a proxy fence (a quiet on libfabric) "
                            "between the data and the signal"),
         "consistency_us": "not applicable: proxy-consistency mode is IBRC without gdrcopy (init.cu)",
+        "signal_atomic_us": ("not applicable: the signal is a proxy command after the inserted fence (priced in "
+                             "proxy_cmd_us and proxy_fence_us)"),
         **_COMMON_SOURCES,
     },
 )
@@ -388,6 +400,8 @@ def price_inter_step(step: Mapping[str, Any], ledger: Mapping[str, Any], wire: W
         terms["signal_ops_before_data"] = _ceil_div(m["signal_ops_before_data"], senders) * wire.atomic_us
         terms["messages"] = m["messages_max_per_peer"] * wire.post_us
         terms["proxy_fences"] = proxy_fences * wire.fence_us
+        # The signal of a put-with-signal lands after its data (the messages go in parallel).
+        terms["signal_atomic"] = (1 if m["put_signals"] else 0) * wire.signal_atomic_us
     else:
         commands = (m["puts"] + m["put_signals"] + m["ll_puts"] + m["signal_ops"] + m["remote_atomics"]
                     + m["fences"] + m["quiets"] + proxy_fences)
