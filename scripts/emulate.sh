@@ -172,7 +172,7 @@ PY
     'return desc_equal(theirs, desc);\n  }\n\n  // Leader only: whether the trailer' 'return true || desc_equal(theirs, desc);\n  }\n\n  // Leader only: whether the trailer' \
     -- --only "1x2 collision" --only "2x2 collision"
   m put-trailer-unchecked cuda/device.cuh plain \
-    'if (ok && !(inter ? trailer_matches(cell, v, peer) : desc_matches(cell))) {' 'if (ok && !(inter ? true : desc_matches(cell))) {' \
+    'if (ok && (inter ? in_wire() && !trailer_matches(cell, v, peer) : !desc_matches(cell))) {' 'if (ok && (inter ? false : !desc_matches(cell))) {' \
     -- --only "collision 100000 vs 131409 put-signal"
   m put-trailer-not-sent cuda/device.cuh plain \
     'const size_t wire = static_cast<size_t>(reinterpret_cast<char*>(t + kTrailerWords) - src);' 'const size_t wire = bytes;' \
@@ -186,6 +186,11 @@ PY
   m channel-count-unfenced cuda/device.cuh tsan \
     '      __threadfence();  // releases my part' '      // (mutant: no fence) releases my part' \
     -- --only "allreduce 3x1 float32 max one-shot n=2500" --only "allreduce 2x2 float32 sum two-shot n=5000"
+  # The channel's wire cut at its first part: the later blocks' parts are neither sent nor checked
+  # (NOTE [channels]: the wire ends with the last non-empty part).
+  m channel-wire-cut-short cuda/allreduce_kernel.cuh plain \
+    'while (tp.ch_wire_last > tp.ch_first && inter_msg(tp.ch_wire_last) == 0) --tp.ch_wire_last;' 'while (tp.ch_wire_last > tp.ch_first) --tp.ch_wire_last;' \
+    -- --only "allreduce 3x2 float32" --only "allreduce 3x1 float32 max one-shot n=2500"
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
   exit $?

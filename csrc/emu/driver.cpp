@@ -908,6 +908,7 @@ LedgerSpec default_ledger_spec(int N, int G, size_t size) {
   ls.N = N;
   ls.G = G;
   ls.size = size;
+  ls.dt = DType::kBFloat16;  // as the committed ledgers and candidates (docs/gpu/ledgers)
   ls.max_blocks = d.max_blocks;
   ls.block_bytes = d.block_bytes;
   ls.max_bytes = d.max_bytes;
