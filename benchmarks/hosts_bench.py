@@ -223,7 +223,7 @@ def print_summary(sm: dict) -> None:
                 q = sm["ratios"].get(f"{b}/{size}/{timing}")
                 cells.append(f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-")
         print("| " + " | ".join(cells) + " |")
-    # issue 18's done-when, on the medians: faster than gloo at every size, than MPI at 128 KB-2 MB
+    # the cross-host targets, on the medians: faster than gloo at every size, than MPI at 128 KB-2 MB
     for b, lo, hi in (("gloo", 0, 1 << 62), ("mpi", 128 << 10, 2 << 20)):
         for timing in ("warm", "cold"):
             qs = {size: sm["ratios"][f"{b}/{size}/{timing}"]["median"] for size in sm["sizes"]

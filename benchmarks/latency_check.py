@@ -1,4 +1,5 @@
-"""The CPU latency check of issue 17, in one run (driven by benchmarks/latency_check.sh).
+"""The CPU latency check (docs/results.md, "CPU latency check"), in one run (driven by
+benchmarks/latency_check.sh).
 
     python benchmarks/latency_check.py --old-path DIR [--budget-s 450] [--json out.json]
 
@@ -13,7 +14,7 @@ ranks): cold = an MPI barrier before every timed call (how TP decode calls arriv
 back (as nccl-tests time). Peers: DeepSpeed's shm all-reduce (deepspeed.comm.inference_all_reduce,
 where DeepSpeed is installed) and MPI_Allreduce (mpi4py). One rank: the time of one 8 KB torch
 call. Copy bandwidth with every rank copying at once, for the memory-bandwidth floor at 8-16 MB.
-Prints a table per part, then every done-when ratio with PASS or FAIL, then the verdict line.
+Prints a table per part, then every target ratio with PASS or FAIL, then the verdict line.
 """
 
 from __future__ import annotations
@@ -355,7 +356,7 @@ def coordinator(args: argparse.Namespace) -> int:
             j.close()
         shutil.rmtree(d, ignore_errors=True)
 
-    # -- the done-when ratios ---------------------------------------------------------------------
+    # -- the target ratios ------------------------------------------------------------------------
     checks: List[Any] = []
     copy = results["copy"]
     print("\n## memory-bandwidth floor (2 ranks, ordinary buffers): copy bandwidth per rank with both ranks "
@@ -389,7 +390,7 @@ def coordinator(args: argparse.Namespace) -> int:
     sr = results["single"]["ratio"]
     checks.append((f"one rank 8 KB torch: new/old = {sr:.2f} <= 1.0 (new {results['single']['new_us']:.2f} us)",
                    sr <= 1.0))
-    print("\n## done-when ratios")
+    print("\n## target ratios")
     for text, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
     fails = sum(1 for _, ok in checks if not ok)
@@ -409,7 +410,7 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=420, help="stop adding rounds after this long (default 420)")
     p.add_argument("--json", help="write every number and check here")
     p.add_argument("--quantile", type=float, default=0.5,
-                   help="statistic of the per-call times (default 0.5: the median, as the done-when says; a "
+                   help="statistic of the per-call times (default 0.5: the median, as the targets are stated; a "
                         "lower one, e.g. 0.2, sees through a host loaded by other work)")
     p.add_argument("--job")
     p.add_argument("--dir")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's done-when check in one run (docs/results.md, "CPU latency check"): the old build
+# The CPU latency check in one run (docs/results.md, "CPU latency check"): the old build
 # (main before the latency work, commit 5f134fc) beside this checkout's build, cold and warm, and
 # nvrar beside DeepSpeed's shm all-reduce and MPI_Allreduce, 2 and 4 ranks; prints every ratio
 # with PASS or FAIL and ends with "latency_check: N passed, M failed".

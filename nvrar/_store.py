@@ -8,7 +8,7 @@ deadline, every message a size bound.
 
 NOTE [store trust]
 The store decides what the ranks see (segment names, settings, NVSHMEM ids), so only the ranks of
-this session may talk to it. A connection is served only after one of:
+this rendezvous may talk to it. A connection is served only after one of:
 
 * uid check (default): the connecting socket is found in this host's /proc/net/tcp{,6}, established,
   and owned by this process's user. The client checks the server's socket the same way before it

@@ -113,7 +113,7 @@ CMA_MIN_BYTES = 8 << 10
 # cold, nvrar time / MPI_Allreduce time, three alternated runs each (nvrar-bench --ranks 4 --timing
 # cold --buffers ordinary --backends nvrar,mpi, NVRAR_CMA_MIN_BYTES=... against unset = staged):
 # staged 0.70-0.76 at 1 MB, 0.67-0.77 at 2 MB, 0.70-0.73 at 4 MB, 0.71-0.86 at 8 MB; cross-memory
-# from 256 KB shards 0.61-0.67, 0.58-0.64, 0.54-0.66, 0.49-0.60 (docs/results.md, fifth session);
+# from 256 KB shards 0.61-0.67, 0.58-0.64, 0.54-0.66, 0.49-0.60 (docs/results.md, runs of 2026-12-02 00:25-01:20 UTC);
 # smaller shards by cross-memory no better (128 KB shards: 0.46-0.82 against 0.49-0.75 staged at
 # 256 KB messages; an earlier host, 32K-512K messages: 0.79-1.23 against 0.45-0.86). So there,
 # unless NVRAR_CMA_MIN_BYTES is set, shards from this size go by cross-memory transfer, smaller
