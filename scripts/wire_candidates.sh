@@ -3,8 +3,9 @@
 # "How the defaults were chosen"): for each wire_budget cell (2x4, 2x8, 4x2 at 128 KB, 512 KB and 2 MB,
 # bfloat16) the wire ledger of one call under every algorithm and inter-node protocol:
 #   one-shot or two-shot  x  put-with-signal (--ll-max-bytes 0) or LL packets (--ll-max-bytes 16M)
-# written to docs/gpu/ledgers/candidates/NxG-SIZE-ALGORITHM-PROTOCOL.json; and the channel counts
-# 1, 2 and 4 of the defaults' plan at 2x8 512 KB (NxG-SIZE-channels-C.json).
+# written to docs/gpu/ledgers/candidates/NxG-SIZE-ALGORITHM-PROTOCOL.json; the same for 2x4, 2x8,
+# 4x2 and 4x4 at 16, 32 and 64 KB (where the one-shot and LL thresholds fall); and the channel
+# counts 1, 2 and 4 of the defaults' plan at 2x8 512 KB (NxG-SIZE-channels-C.json).
 #
 #   scripts/wire_candidates.sh [--out DIR] [--only NxG-SIZE]
 #
@@ -42,6 +43,16 @@ run() {  # NAME ARGS...: one ledger into $out/NAME.json
 }
 for layout in 2x4 2x8 4x2; do
   for size in 128K 512K 2M; do
+    [ -z "$only" ] || [ "$only" = "$layout-$size" ] || continue
+    for alg in one-shot two-shot; do
+      run "$layout-$size-$alg-put_signal" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 0
+      run "$layout-$size-$alg-ll" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 16M
+    done
+  done
+done
+# The smaller messages that place the one-shot and LL thresholds (nvrar/settings.py cites them).
+for layout in 2x4 2x8 4x2 4x4; do
+  for size in 16K 32K 64K; do
     [ -z "$only" ] || [ "$only" = "$layout-$size" ] || continue
     for alg in one-shot two-shot; do
       run "$layout-$size-$alg-put_signal" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 0

@@ -136,7 +136,7 @@ def test_wire_profiles_extend_machine_profiles():
         assert w.nic_bw_GBps == machine.net_bw_GBps and w.nvl_bw_GBps == machine.nvl_bw_GBps
         assert w.nvl_alpha_us == machine.nvl_alpha_us and w.hbm_bw_GBps == machine.hbm_bw_GBps
         rows = wire.cost_table(w)
-        assert len(rows) == 15
+        assert len(rows) == 16  # 11 wire costs (signal_atomic_us included), 5 from the machine
         for row in rows:
             assert row["source"], f"{w.name}.{row['name']} has no source"
         # a cost marked as an estimate says so in its source

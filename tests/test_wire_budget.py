@@ -168,3 +168,17 @@ def test_wire_budget_candidates_cover_every_cell_and_plan():
                     assert (led["nodes"], led["gpus_per_node"], led["size"]) == (nodes, gpus, size), f.name
                     assert led["plan"]["algorithm"] == alg, f.name
                     assert set(_protocols(led)) == {proto}, f.name
+
+
+def test_wire_budget_defaults_are_the_models_choice_in_every_candidate_cell():
+    # scripts/wire_choices.py: in every cell of docs/gpu/ledgers/candidates (16 KB-2 MB on 2x4, 2x8,
+    # 4x2, 4x4) the plan nvrar.settings' defaults choose is the one h100-ndr-ibgda prices fastest.
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "wire_choices.py"), "--wire", WIRE], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    sys.stdout.write(r.stdout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and not line.startswith("| size")]
+    assert len(rows) >= 21, r.stdout
+    assert not [row for row in rows if row.rstrip().endswith("| NO |")], r.stdout
+    m = re.search(r"^# (\d+) cells, the defaults' plan the model's fastest in (\d+)$", r.stdout, re.M)
+    assert m and m.group(1) == m.group(2) == str(len(rows)), r.stdout

@@ -301,7 +301,7 @@ def cost_table(wire: WireProfile) -> List[Dict[str, Any]]:
     """Every per-operation cost of ``wire`` with unit and source (machine numbers included)."""
     rows: List[Dict[str, Any]] = []
     for name in ("one_way_us", "rtt_us", "fence_us", "atomic_us", "post_us", "proxy_cmd_us",
-                 "proxy_fence_us", "consistency_us", "launch_us", "ll_efficiency"):
+                 "proxy_fence_us", "consistency_us", "signal_atomic_us", "launch_us", "ll_efficiency"):
         source = wire.sources.get(name, "")
         rows.append({"name": name, "value": float(getattr(wire, name)),
                      "unit": "us" if name.endswith("_us") else "ratio", "source": source,
