@@ -23,7 +23,9 @@ namespace nvrar {
 //   shape  the row length h of a fused call (all_reduce_add_rms_norm), else 0
 // Two descriptions are equal when all four words are.
 //
-// How it travels, by the path the flag takes (no path adds a round trip):
+// How it travels, by the path the flag takes (no path adds a round trip; on the GPU counted by
+// the wire ledger: 0 fences, quiets, signal operations and remote atomics per inter-node step,
+// tests/test_wire_budget.py):
 //   in-memory cell (CPU shared memory, GPU peer store over NVLink): the four words are stored
 //     (relaxed) into the cell's words 3..6 (after the flag word and two aux words), then the flag
 //     word with a release; the receiver's acquire of the flag orders them.
@@ -32,7 +34,9 @@ namespace nvrar {
 //     step's flag word, the sender's rank) right behind the data, sent in the same put, whose signal NVSHMEM
 //     delivers after all of its bytes; LL: eight leading packets of the step's packet stream
 //     carry the four words, 4 bytes each under the packets' flag. The receiver compares them
-//     once the signal, or the packets, arrived, before it touches the data. No extra operation,
+//     once the signal, or the packets, arrived, before it touches the data (in a channel of
+//     gathered slices each part carries its own; a part after the channel's last non-empty one
+//     is not sent and its block checks none, NOTE [channels]). No extra operation,
 //     no fence, no round trip; 48 (put) or 64 (LL) more bytes per message. The GPU's segment
 //     reserves kGpuDescRoom bytes behind every zone and LL zone slice for it (desc_room of
 //     SegmentLayout; 0 on the CPU, whose layout is unchanged).
