@@ -11,10 +11,26 @@
 namespace nvrar {
 namespace gpu {
 
+// NOTE [channels] (device.cuh): a launch that gathers slices into channels (fewer channels than
+// blocks) progresses only with every block of a channel resident at once, so it is cooperative:
+// the launch fails (cudaErrorCooperativeLaunchTooLarge, raised on the host) rather than running
+// part of the grid, and a cooperative kernel node can be captured in a CUDA graph
+// (cudaLaunchAttributeCooperative is valid for launches and graph nodes). A launch with one block
+// per channel is an ordinary one: its blocks never wait for each other.
 template <typename T, typename Op>
 cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cudaStream_t stream) {
-  nvrar_allreduce_kernel<T, Op><<<blocks, threads, 0, stream>>>(kp);
-  return cudaGetLastError();
+  const int channels = kp.channels < 1 ? 1 : (kp.channels > kMaxChannels ? kMaxChannels : kp.channels);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = channels < blocks ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, nvrar_allreduce_kernel<T, Op>, kp);
 }
 
 template <typename T, typename Op>

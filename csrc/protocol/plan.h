@@ -24,6 +24,15 @@ namespace nvrar {
 //   one-shot:  stage-in -> every rank reduces the whole chunk from all G local peers -> inter-node
 //              recursive doubling of the whole chunk -> copy out. No all-gather.
 //
+// Residency (GPU). A chunk is cut into B slices, one per CUDA block, each with its own flags, so
+// a block never waits for another block of its own rank -- except across nodes when slices are
+// gathered into fewer channels than blocks (NOTE [channels], csrc/cuda/device.cuh): a channel's
+// message leaves when its last block's part is written, and every block of the channel waits for
+// the partner's channel message, so all blocks must be resident at once. Such a launch is
+// cooperative (csrc/cuda/allreduce_inst.cu: it fails rather than runs part of the grid; a
+// cooperative kernel node can be captured in a CUDA graph). A launch with one block per channel
+// progresses whichever of its blocks are resident, provided they start in blockIdx order.
+//
 // Memory. Each rank owns one segment of the symmetric heap, laid out identically on every rank
 // (SegmentLayout). Slots that peers read or write:
 //   staging[p]   my staged input (whole chunk); read by local peers in the reduce phase.
