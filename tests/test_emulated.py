@@ -72,6 +72,21 @@ def test_emulated_device_suite_quick():
         assert any(line.startswith("PASS") and name in line for line in r.stdout.splitlines()), name
 
 
+@pytest.mark.skipif(bool(compiler_missing()), reason=compiler_missing() or "ok")
+def test_emulated_device_suite_in_block_waves():
+    """Every launch that is not cooperative runs at most k of its blocks at once (1 <= k < blocks,
+    drawn per PE and call), started in blockIdx order as a GPU dispatches a grid larger than what it
+    runs at once: every case still passes (NOTE [epoch protocol], "Residency")."""
+    r = run_emulate("--quick", "--waves", "--seed", "14", timeout=900)
+    passed, failed, tsan = summary(r)
+    fails = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
+    assert r.returncode == 0 and failed == 0 and passed >= 40 and tsan == "off", fails
+    m = re.search(r"^block waves: (\d+) of (\d+) PE launches ran in waves$", r.stdout, re.M)
+    assert m, "no block-waves summary"
+    waves, launches = int(m.group(1)), int(m.group(2))
+    assert launches > 0 and waves >= launches // 2, (waves, launches)  # the adversary really ran
+
+
 @pytest.mark.skipif(bool(tsan_missing()), reason=tsan_missing() or "ok")
 def test_emulated_device_suite_under_thread_sanitizer():
     r = run_emulate("--tsan", "--quick", "--seed", "12", timeout=1500)

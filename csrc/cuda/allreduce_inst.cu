@@ -19,7 +19,6 @@ namespace gpu {
 // per channel is an ordinary one: its blocks never wait for each other.
 template <typename T, typename Op>
 cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cudaStream_t stream) {
-  const int channels = kp.channels < 1 ? 1 : (kp.channels > kMaxChannels ? kMaxChannels : kp.channels);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
@@ -29,7 +28,7 @@ cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cud
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = channels < blocks ? 1 : 0;
+  cfg.numAttrs = cooperative_launch(kp.channels, blocks) ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, nvrar_allreduce_kernel<T, Op>, kp);
 }
 

@@ -96,7 +96,6 @@ constexpr int kCellDesc = 3;
 // the launch fails; it can be captured in a CUDA graph), NOTE [epoch protocol].
 // Counters: 32-bit, in the GPU segment's header page (unused by the GPU otherwise; zeroed at
 // setup), at kChanCountersOff, index (parity * S + slot) * kMaxChannels + channel.
-constexpr int kMaxChannels = 4;
 constexpr size_t kChanCountersOff = 512;
 
 // Per-block workspace of protocol/round.h, in shared memory.
@@ -144,8 +143,8 @@ struct GpuTransport {
   // neither sent nor checked: NOTE [channels]).
   __device__ bool in_wire() const { return !gathered || static_cast<int>(blockIdx.x) <= ch_wire_last; }
   __device__ void set_channel(int channels, int B, int b) {
-    const int C = channels < 1 ? 1 : (channels > kMaxChannels ? kMaxChannels : channels);
-    gathered = C < B;
+    const int C = clamp_channels(channels);
+    gathered = C < B;  // (the launch is then cooperative: params.h cooperative_launch)
     if (!gathered) {
       ch = b;
       ch_first = b;

@@ -73,6 +73,20 @@ struct KernelParams {
   int channels;
 };
 
+// The most channels (NOTE [channels], device.cuh).
+constexpr int kMaxChannels = 4;
+
+// The channel count a kernel of `blocks` blocks gathers its slices into (device.cuh set_channel).
+NVRAR_HD constexpr int clamp_channels(int channels) {
+  return channels < 1 ? 1 : (channels > kMaxChannels ? kMaxChannels : channels);
+}
+
+// Whether a launch of `blocks` blocks with these parameters must be cooperative: it gathers slices
+// into fewer channels than blocks, so every block must be resident at once (NOTE [epoch
+// protocol], "Residency"). allreduce_inst.cu launches by it; the emulated driver runs every other
+// launch in block waves (scripts/emulate.sh --waves) by it.
+NVRAR_HD constexpr bool cooperative_launch(int channels, int blocks) { return clamp_channels(channels) < blocks; }
+
 // The plain kernel's parameters (transport, flags, epoch, error record) plus the fused call's.
 struct FusedParams {
   KernelParams kp;     // kp.in / kp.out: x; kp.count: rows * h; kp.algorithm, kp.sig: the fused call's

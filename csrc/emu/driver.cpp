@@ -161,9 +161,16 @@ struct Setup {
   size_t max_piece_bytes = 256;  // the proxy's largest piece of a put (WorldConfig)
 };
 
+// --waves: every launch that is not cooperative (one block per channel: NOTE [epoch protocol],
+// "Residency") runs in block waves on every PE, at most k blocks at once, 1 <= k < blocks drawn
+// per PE and call from the case's seed (emu.h, launch_pe).
+bool g_waves = false;
+std::atomic<uint64_t> g_wave_launches{0}, g_launches{0};  // PE launches in waves, all PE launches
+
 struct Exec {
   Setup su;
   int W;
+  uint64_t calls = 0;  // launches so far (the waves' draws)
   std::vector<ExecutorGeometry> geo;
   std::unique_ptr<World> world;
   std::vector<DeviceState> state;
@@ -183,7 +190,9 @@ struct Exec {
       c.ll_max_bytes = s.ll_max_bytes;
       c.block_bytes = s.block_bytes;
       c.max_blocks = s.max_blocks;
-      c.channels = s.channels;
+      // In waves the channel count is the largest (4): more launches keep one block per channel
+      // and are not cooperative, so they run in waves.
+      c.channels = g_waves ? 4 : s.channels;
       c.threads = s.threads;
       c.timeout_s = s.timeout_s;
       geo.push_back(gpu::executor_geometry(c));
@@ -277,9 +286,20 @@ void run_call_chunks(Exec& ex, const std::vector<CallArgs>& a, const std::vector
     if (chunks[static_cast<size_t>(r)] != 0) kps[static_cast<size_t>(r)].chunk_elems = chunks[static_cast<size_t>(r)];
     blocks[static_cast<size_t>(r)] = c.absent ? 0 : p.slices;
   }
+  // A launch that gathers slices into channels is cooperative (allreduce_inst.cu): all at once.
+  std::vector<int> resident(static_cast<size_t>(ex.W), 0);
+  if (g_waves) {
+    std::mt19937_64 rng(ex.su.seed * 0x9E3779B97F4A7C15ull + ++ex.calls);
+    for (int r = 0; r < ex.W; ++r) {
+      const int B = blocks[static_cast<size_t>(r)];
+      if (B > 1 && !gpu::cooperative_launch(kps[static_cast<size_t>(r)].channels, B)) resident[static_cast<size_t>(r)] = 1 + static_cast<int>(rng() % static_cast<uint64_t>(B - 1));
+      if (B > 0) ++g_launches;
+      if (resident[static_cast<size_t>(r)] > 0) ++g_wave_launches;
+    }
+  }
   ex.world->launch(blocks, ex.su.threads, [&](int pe) {
     dispatch_allreduce(kps[static_cast<size_t>(pe)], a[static_cast<size_t>(pe)].dtype, a[static_cast<size_t>(pe)].op);
-  });
+  }, resident);
 }
 
 void run_call(Exec& ex, const std::vector<CallArgs>& a, size_t chunk_override = 0) {
@@ -1349,7 +1369,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> production;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") {
+    if (a == "--waves") {
+      g_waves = true;
+    } else if (a == "--quick") {
       quick = true;
     } else if (a == "--list") {
       list = true;
@@ -1372,7 +1394,7 @@ int main(int argc, char** argv) {
       barrier_selftest();
       return 1;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--seed N] [--only SUBSTRING]... [--repeat K] [--case-timeout S] [--list] [--barrier-selftest] [--gpu-defaults K=V,...]\n       %s --ledger NxG SIZE [options]\n", argv[0], argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--waves] [--seed N] [--only SUBSTRING]... [--repeat K] [--case-timeout S] [--list] [--barrier-selftest] [--gpu-defaults K=V,...]\n       %s --ledger NxG SIZE [options]\n", argv[0], argv[0]);
       return 2;
     }
   }
@@ -1442,6 +1464,9 @@ int main(int argc, char** argv) {
   }
   watchdog.join();
   if (list) return 0;
+  if (g_waves)
+    std::printf("block waves: %llu of %llu PE launches ran in waves\n",
+                static_cast<unsigned long long>(g_wave_launches.load()), static_cast<unsigned long long>(g_launches.load()));
   std::printf("emulated device: %d cases passed, %d failed (tsan: %s)\n", passed, failed, kTsan ? "on" : "off");
   return failed == 0 && passed > 0 ? 0 : 1;
 }

@@ -393,11 +393,20 @@ void World::quiet() {
 
 namespace {
 
+// A launch's end of block b (the last of its threads returned): PeLaunchImpl starts the next
+// block of a launch in waves.
+struct BlockDone {
+  virtual ~BlockDone() = default;
+  virtual void block_done(int b) = 0;
+};
+
 struct ThreadArg {
   World::Impl* world;
   Block* block;
   int pe, b, t, blocks, threads;
   const std::function<void(int)>* kernel;
+  BlockDone* done;
+  std::atomic<int>* left;  // threads of the block still running
 };
 
 void* thread_main(void* p) {
@@ -416,6 +425,7 @@ void* thread_main(void* p) {
     a.world->wire.insert(a.world->wire.end(), t_ctx.wire.begin(), t_ctx.wire.end());
   }
   t_ctx = ThreadCtx{};
+  if (a.left->fetch_sub(1) == 1) a.done->block_done(a.b);
   return nullptr;
 }
 
@@ -423,11 +433,14 @@ void* thread_main(void* p) {
 
 namespace {
 
-// One PE's launch: its blocks, its threads, the kernel they run.
-class PeLaunchImpl final : public PeLaunch {
+// One PE's launch: its blocks, its threads, the kernel they run. In waves (0 < resident <
+// blocks) at most `resident` blocks run at once: blocks start in blockIdx order, the next one when
+// a running one has ended, as a GPU's block scheduler dispatches a grid larger than what fits
+// (NOTE [epoch protocol], "Residency").
+class PeLaunchImpl final : public PeLaunch, public BlockDone {
  public:
-  PeLaunchImpl(World::Impl* world, int pe, int blocks, int threads, std::function<void(int)> kernel)
-      : kernel_(std::move(kernel)) {
+  PeLaunchImpl(World::Impl* world, int pe, int blocks, int threads, std::function<void(int)> kernel, int resident)
+      : kernel_(std::move(kernel)), pe_(pe), threads_(threads) {
     const double timeout_s = world->cfg.barrier_timeout_s;
     for (int b = 0; b < blocks; ++b) {
       auto k = std::make_unique<Block>();
@@ -445,6 +458,43 @@ class PeLaunchImpl final : public PeLaunch {
     const size_t n = static_cast<size_t>(blocks) * static_cast<size_t>(threads);
     args_.resize(n);
     tids_.resize(n);
+    left_ = std::make_unique<std::atomic<int>[]>(static_cast<size_t>(blocks));
+    started_.assign(static_cast<size_t>(blocks), false);
+    size_t k = 0;
+    for (int b = 0; b < blocks; ++b) {
+      left_[static_cast<size_t>(b)].store(threads);
+      for (int t = 0; t < threads; ++t, ++k)
+        args_[k] = ThreadArg{world, blk_[static_cast<size_t>(b)].get(), pe, b, t, blocks, threads, &kernel_, this,
+                             &left_[static_cast<size_t>(b)]};
+    }
+    const int first = resident <= 0 || resident >= blocks ? blocks : resident;
+    std::lock_guard<std::mutex> lock(start_mu_);
+    next_ = first;
+    for (int b = 0; b < first; ++b) start_block(b);
+  }
+  ~PeLaunchImpl() override { wait(); }
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (joined_.load()) return;
+    for (size_t b = 0; b < blk_.size(); ++b) {
+      {
+        std::unique_lock<std::mutex> s(start_mu_);
+        start_cv_.wait(s, [&] { return started_[b]; });
+      }
+      for (size_t k = b * static_cast<size_t>(threads_); k < (b + 1) * static_cast<size_t>(threads_); ++k)
+        pthread_join(tids_[k], nullptr);
+    }
+    joined_.store(true);
+  }
+  bool done() const override { return joined_.load(); }
+  void block_done(int) override {
+    std::lock_guard<std::mutex> lock(start_mu_);
+    if (next_ < static_cast<int>(blk_.size())) start_block(next_++);
+  }
+
+ private:
+  // start_mu_ held.
+  void start_block(int b) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
 #if defined(__SANITIZE_THREAD__)
@@ -452,51 +502,52 @@ class PeLaunchImpl final : public PeLaunch {
 #else
     pthread_attr_setstacksize(&attr, 256 * 1024);
 #endif
-    size_t k = 0;
-    for (int b = 0; b < blocks; ++b)
-      for (int t = 0; t < threads; ++t, ++k) {
-        args_[k] = ThreadArg{world, blk_[static_cast<size_t>(b)].get(), pe, b, t, blocks, threads, &kernel_};
-        const int rc = pthread_create(&tids_[k], &attr, thread_main, &args_[k]);
-        if (rc != 0) die("cannot start emulated thread " + std::to_string(k) + " of " + std::to_string(n) + " on PE " +
-                         std::to_string(pe) + ": " + std::strerror(rc));
-      }
+    for (size_t k = static_cast<size_t>(b) * static_cast<size_t>(threads_);
+         k < static_cast<size_t>(b + 1) * static_cast<size_t>(threads_); ++k) {
+      const int rc = pthread_create(&tids_[k], &attr, thread_main, &args_[k]);
+      if (rc != 0) die("cannot start emulated thread " + std::to_string(k) + " of block " + std::to_string(b) +
+                       " on PE " + std::to_string(pe_) + ": " + std::strerror(rc));
+    }
     pthread_attr_destroy(&attr);
+    started_[static_cast<size_t>(b)] = true;
+    start_cv_.notify_all();
   }
-  ~PeLaunchImpl() override { wait(); }
-  void wait() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (joined_.load()) return;
-    for (pthread_t t : tids_) pthread_join(t, nullptr);
-    joined_.store(true);
-  }
-  bool done() const override { return joined_.load(); }
 
- private:
   std::function<void(int)> kernel_;
+  int pe_, threads_;
   std::vector<std::unique_ptr<Block>> blk_;
   std::vector<ThreadArg> args_;
   std::vector<pthread_t> tids_;
+  std::unique_ptr<std::atomic<int>[]> left_;
+  std::mutex start_mu_;
+  std::condition_variable start_cv_;
+  std::vector<bool> started_;
+  int next_ = 0;
   std::mutex mu_;
   std::atomic<bool> joined_{false};
 };
 
 }  // namespace
 
-std::shared_ptr<PeLaunch> World::launch_pe(int pe, int blocks, int threads, std::function<void(int pe)> kernel) {
+std::shared_ptr<PeLaunch> World::launch_pe(int pe, int blocks, int threads, std::function<void(int pe)> kernel,
+                                           int resident) {
   Impl& I = *impl_;
   if (pe < 0 || pe >= I.cfg.pes || blocks < 0 || threads < 32 || threads % 32 != 0)
     die("launch_pe: a PE of the world, blocks >= 0 and a multiple of 32 threads");
-  return std::make_shared<PeLaunchImpl>(&I, pe, blocks, threads, std::move(kernel));
+  return std::make_shared<PeLaunchImpl>(&I, pe, blocks, threads, std::move(kernel), resident);
 }
 
-void World::launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel) {
+void World::launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel,
+                   const std::vector<int>& resident) {
   Impl& I = *impl_;
   const int pes = I.cfg.pes;
   if (static_cast<int>(blocks.size()) != pes || threads < 32 || threads % 32 != 0)
     die("launch: one block count per PE and a multiple of 32 threads");
   std::vector<std::shared_ptr<PeLaunch>> all;
   for (int pe = 0; pe < pes; ++pe)
-    if (blocks[static_cast<size_t>(pe)] > 0) all.push_back(launch_pe(pe, blocks[static_cast<size_t>(pe)], threads, kernel));
+    if (blocks[static_cast<size_t>(pe)] > 0)
+      all.push_back(launch_pe(pe, blocks[static_cast<size_t>(pe)], threads, kernel,
+                              resident.empty() ? 0 : resident[static_cast<size_t>(pe)]));
   for (auto& l : all) l->wait();
 }
 

@@ -78,12 +78,17 @@ class World {
   char* segment(int pe) const;
   // Runs kernel(pe) in blocks[pe] x threads OS threads for every PE at once (blocks[pe] == 0: PE pe
   // launches nothing, it never arrives), and returns when every thread has returned (the proxy
-  // keeps delivering in the background).
-  void launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel);
-  // Runs kernel(pe) in blocks x threads OS threads of PE `pe`, all started before it returns;
-  // returns a handle to wait on. Launches of different PEs (and several of one PE) run
-  // concurrently. The handle's destructor waits.
-  std::shared_ptr<PeLaunch> launch_pe(int pe, int blocks, int threads, std::function<void(int pe)> kernel);
+  // keeps delivering in the background). resident[pe] (if given, and 0 < it < blocks[pe]): PE pe
+  // runs in block waves, see launch_pe.
+  void launch(const std::vector<int>& blocks, int threads, const std::function<void(int pe)>& kernel,
+              const std::vector<int>& resident = {});
+  // Runs kernel(pe) in blocks x threads OS threads of PE `pe`; returns a handle to wait on.
+  // Launches of different PEs (and several of one PE) run concurrently. The handle's destructor
+  // waits. resident 0 (or >= blocks): every block starts before it returns (a cooperative launch,
+  // or a grid that fits); else block waves: at most `resident` blocks run at once, started in
+  // blockIdx order, the next when one has ended (a grid larger than what the GPU runs at once).
+  std::shared_ptr<PeLaunch> launch_pe(int pe, int blocks, int threads, std::function<void(int pe)> kernel,
+                                      int resident = 0);
   // Until the proxy delivered everything issued so far.
   void quiet();
   ProxyStats stats() const;
