@@ -2,7 +2,7 @@
 # The GPU executor's device code on emulated PEs (csrc/emu, docs/gpu/emulation.md): builds the
 # emulated device driver from csrc/ with the host compiler (no nvcc, no GPU) and runs the suite.
 #
-#   scripts/emulate.sh [--tsan] [--quick] [--waves] [--seed N] [--only SUBSTRING]...
+#   scripts/emulate.sh [--tsan] [--quick] [--waves] [--consistency] [--seed N] [--only SUBSTRING]...
 #   scripts/emulate.sh --mutations [--seed N]
 #   scripts/emulate.sh --coverage [--quick] [--seed N]
 #   scripts/emulate.sh --ledger LAYOUT SIZE [--algorithm auto|one-shot|two-shot] [--dtype bfloat16|float32]
@@ -14,6 +14,9 @@
 # --waves      block waves: a launch that is not cooperative (one block per channel; the channel
 #              count is 4 here) runs at most k of its blocks at once on each PE, 1 <= k < blocks
 #              drawn per PE and call from the seed, the next block starting when one ends
+# --consistency proxy-consistency mode (IBRC without gdrcopy): a write the proxy delivers (a put's
+#              pieces, a signal, each on its own) becomes visible up to 300 us late, or at once at
+#              the target's consistency point (nvshmem_uint64_wait_until)
 # --seed N     the proxy's and the data's seed (default: from the clock; a failure prints its seed)
 # --mutations  builds each mutant of the device code (a deliberate ordering or protocol bug, made
 #              on a copy of the sources: the GPU build never sees one) and asserts that the suite
@@ -34,19 +37,20 @@
 # (build folder, default build/emu).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-tsan=0 quick=0 waves=0 mutations=0 coverage=0 seed="" only=() ledger=() ledger_opts=()
+tsan=0 quick=0 waves=0 consistency=0 mutations=0 coverage=0 seed="" only=() ledger=() ledger_opts=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tsan) tsan=1 ;;
     --quick) quick=1 ;;
     --waves) waves=1 ;;
+    --consistency) consistency=1 ;;
     --mutations) mutations=1 ;;
     --coverage) coverage=1 ;;
     --seed) seed=${2:?--seed needs a number}; shift ;;
     --only) only+=(--only "${2:?--only needs a substring}"); shift ;;
     --ledger) ledger=("${2:?--ledger needs LAYOUT SIZE}" "${3:?--ledger needs LAYOUT SIZE}"); shift 2 ;;
     --algorithm|--dtype|--threads|--channels|--ll-max-bytes) ledger_opts+=("$1" "${2:?$1 needs a value}"); shift ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "emulate.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -200,6 +204,11 @@ PY
   m cooperative-launch-dropped cuda/params.h plain \
     'return clamp_channels(channels) < blocks; }' 'return false && clamp_channels(channels) < blocks; }' \
     -- --waves --only "allreduce 2x2 float32 sum two-shot n=5000"
+  # The consistency point before a put-with-signal's trailer and data are read skipped: in
+  # proxy-consistency mode they may not be visible yet.
+  m consistency-point-skipped cuda/device.cuh plain \
+    'nvshmem_uint64_wait_until(c, NVSHMEM_CMP_GE, target);' '(void)target;' \
+    -- --consistency --only "allreduce 2x1 float32" --only "allreduce 3x1 float32"
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
   exit $?
@@ -306,6 +315,7 @@ fi
 args=(--seed "$seed" "${only[@]}")
 [ "$quick" = 1 ] && args+=(--quick)
 [ "$waves" = 1 ] && args+=(--waves)
+[ "$consistency" = 1 ] && args+=(--consistency)
 # (the wire_budget cases, --only wire_budget, plan their calls with the GPU defaults)
 defaults=$(gpu_defaults 2>/dev/null) && args+=(--gpu-defaults "$defaults")
 exec "$dir/emulate_driver" "${args[@]}"

@@ -87,6 +87,18 @@ def test_emulated_device_suite_in_block_waves():
     assert launches > 0 and waves >= launches // 2, (waves, launches)  # the adversary really ran
 
 
+@pytest.mark.skipif(bool(compiler_missing()), reason=compiler_missing() or "ok")
+def test_emulated_device_suite_in_proxy_consistency_mode():
+    """Writes the proxy delivers stay invisible for a random delay, or until the target's
+    consistency point (nvshmem_uint64_wait_until): no result and no verdict depends on luck."""
+    r = run_emulate("--quick", "--consistency", "--seed", "15", timeout=900)
+    passed, failed, tsan = summary(r)
+    fails = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
+    assert r.returncode == 0 and failed == 0 and passed >= 40 and tsan == "off", fails
+    m = re.search(r"^proxy consistency: (\d+) delivered writes hidden, (\d+) consistency points$", r.stdout, re.M)
+    assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 0, "the adversary did not run"
+
+
 @pytest.mark.skipif(bool(tsan_missing()), reason=tsan_missing() or "ok")
 def test_emulated_device_suite_under_thread_sanitizer():
     r = run_emulate("--tsan", "--quick", "--seed", "12", timeout=1500)

@@ -165,6 +165,9 @@ struct Setup {
 // "Residency") runs in block waves on every PE, at most k blocks at once, 1 <= k < blocks drawn
 // per PE and call from the case's seed (emu.h, launch_pe).
 bool g_waves = false;
+// --consistency: proxy-consistency mode (emu.h WorldConfig::consistency_delay_us): every write the
+// proxy delivers stays invisible up to this long, or until the target's nvshmem_uint64_wait_until.
+int g_consistency_us = 0;
 std::atomic<uint64_t> g_wave_launches{0}, g_launches{0};  // PE launches in waves, all PE launches
 
 struct Exec {
@@ -204,6 +207,7 @@ struct Exec {
     wc.seed = s.seed;
     wc.max_delay_us = s.max_delay_us;
     wc.max_piece_bytes = s.max_piece_bytes;
+    wc.consistency_delay_us = g_consistency_us;
     wc.segment_bytes = geo[0].layout.total_bytes;
     wc.barrier_timeout_s = s.timeout_s + 60;
     world.reset(new World(wc));
@@ -1371,6 +1375,8 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--waves") {
       g_waves = true;
+    } else if (a == "--consistency") {
+      g_consistency_us = 300;
     } else if (a == "--quick") {
       quick = true;
     } else if (a == "--list") {
@@ -1394,7 +1400,7 @@ int main(int argc, char** argv) {
       barrier_selftest();
       return 1;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--waves] [--seed N] [--only SUBSTRING]... [--repeat K] [--case-timeout S] [--list] [--barrier-selftest] [--gpu-defaults K=V,...]\n       %s --ledger NxG SIZE [options]\n", argv[0], argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--waves] [--consistency] [--seed N] [--only SUBSTRING]... [--repeat K] [--case-timeout S] [--list] [--barrier-selftest] [--gpu-defaults K=V,...]\n       %s --ledger NxG SIZE [options]\n", argv[0], argv[0]);
       return 2;
     }
   }
@@ -1464,6 +1470,12 @@ int main(int argc, char** argv) {
   }
   watchdog.join();
   if (list) return 0;
+  if (g_consistency_us > 0) {
+    uint64_t hidden = 0, points = 0;
+    consistency_totals(&hidden, &points);
+    std::printf("proxy consistency: %llu delivered writes hidden, %llu consistency points\n",
+                static_cast<unsigned long long>(hidden), static_cast<unsigned long long>(points));
+  }
   if (g_waves)
     std::printf("block waves: %llu of %llu PE launches ran in waves\n",
                 static_cast<unsigned long long>(g_wave_launches.load()), static_cast<unsigned long long>(g_launches.load()));

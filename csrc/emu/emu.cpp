@@ -146,9 +146,21 @@ struct PutOp {
   uint64_t sigval = 0;
 };
 
+// A write the proxy delivered that the target does not see yet (proxy-consistency mode,
+// WorldConfig::consistency_delay_us): applied when due, or at the target's consistency point.
+struct Hidden {
+  char* to = nullptr;
+  std::vector<unsigned char> data;  // a piece's bytes; empty for a signal
+  bool signal = false;
+  uint64_t sigval = 0;
+  uint64_t due_ns = 0;
+};
+
 struct World::Impl {
   WorldConfig cfg;
   std::vector<char*> segs;
+  std::vector<std::vector<Hidden>> hidden;  // per target PE (mu held)
+  static inline std::atomic<uint64_t> consistency_points{0}, hidden_writes{0};  // every world's
   // The proxy.
   std::mutex mu;
   std::condition_variable cv;
@@ -198,10 +210,8 @@ struct World::Impl {
     return segs[static_cast<size_t>(pe)] + (c - base);
   }
 
-  void deliver_piece(PutOp& op, size_t k) {
-    const size_t off = op.pieces[k].first, len = op.pieces[k].second;
-    char* d = op.to + off;
-    const unsigned char* s = op.data.data() + off;
+  // Stores len bytes at d as the NIC does: 8-byte words single-copy atomic.
+  static void store_bytes(char* d, const unsigned char* s, size_t len) {
     size_t i = 0;
     while (i < len) {
       if ((reinterpret_cast<uintptr_t>(d + i) & 7) == 0 && len - i >= 8) {
@@ -214,6 +224,67 @@ struct World::Impl {
         ++i;
       }
     }
+  }
+
+  static void apply(const Hidden& h) {
+    if (h.signal)
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(h.to)).store(h.sigval, std::memory_order_release);
+    else
+      store_bytes(h.to, h.data.data(), h.data.size());
+  }
+
+  // mu held. A write to PE `pe`: at once, or hidden until due (a hidden earlier write to the same
+  // bytes is applied first: one place's writes become visible in their order).
+  void write(int pe, Hidden h) {
+    if (cfg.consistency_delay_us <= 0) {
+      apply(h);
+      return;
+    }
+    std::vector<Hidden>& v = hidden[static_cast<size_t>(pe)];
+    const size_t len = h.signal ? 8 : h.data.size();
+    for (size_t i = 0; i < v.size();) {
+      const size_t vl = v[i].signal ? 8 : v[i].data.size();
+      if (v[i].to < h.to + len && h.to < v[i].to + vl) {
+        apply(v[i]);
+        v.erase(v.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+    h.due_ns = now_ns() + std::uniform_int_distribution<uint64_t>(0, static_cast<uint64_t>(cfg.consistency_delay_us) * 1000)(rng);
+    v.push_back(std::move(h));
+    ++hidden_writes;
+  }
+
+  // mu held. Applies PE pe's hidden writes that are due (all of them: `all`), in random order.
+  void reveal(int pe, bool all) {
+    std::vector<Hidden>& v = hidden[static_cast<size_t>(pe)];
+    if (v.empty()) return;
+    std::shuffle(v.begin(), v.end(), rng);
+    const uint64_t t = now_ns();
+    for (size_t i = 0; i < v.size();) {
+      if (all || v[i].due_ns <= t) {
+        apply(v[i]);
+        v[i] = std::move(v.back());
+        v.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  bool any_hidden() const {
+    for (const auto& v : hidden)
+      if (!v.empty()) return true;
+    return false;
+  }
+
+  void deliver_piece(PutOp& op, size_t k) {
+    const size_t off = op.pieces[k].first, len = op.pieces[k].second;
+    Hidden h;
+    h.to = op.to + off;
+    h.data.assign(op.data.begin() + static_cast<std::ptrdiff_t>(off), op.data.begin() + static_cast<std::ptrdiff_t>(off + len));
+    write(op.dst, std::move(h));
     op.pieces[k] = op.pieces.back();
     op.pieces.pop_back();
     ++st.pieces;
@@ -222,9 +293,19 @@ struct World::Impl {
   void run_proxy() {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
+      // Hidden writes become visible when due, also while nothing else is queued.
+      while (!stop && ops.empty() && any_hidden()) {
+        for (int pe = 0; pe < cfg.pes; ++pe) reveal(pe, false);
+        if (!any_hidden()) {
+          idle_cv.notify_all();
+          break;
+        }
+        cv.wait_for(lock, std::chrono::microseconds(20));
+      }
       cv.wait(lock, [&] { return stop || !ops.empty(); });
       if (ops.empty() && stop) return;
       busy = true;
+      for (int pe = 0; pe < cfg.pes; ++pe) reveal(pe, false);
       // Eligible: no earlier-fenced operation from the same source to the same target pending
       // (the operation's fence generation is its pair's lowest pending one).
       std::vector<uint64_t>& low = low_gen;
@@ -248,7 +329,11 @@ struct World::Impl {
         deliver_piece(op, std::uniform_int_distribution<size_t>(0, op.pieces.size() - 1)(rng));
       } else {
         if (op.sig != nullptr) {
-          std::atomic_ref<uint64_t>(*op.sig).store(op.sigval, std::memory_order_release);
+          Hidden h;
+          h.to = reinterpret_cast<char*>(op.sig);
+          h.signal = true;
+          h.sigval = op.sigval;
+          write(op.dst, std::move(h));
           ++st.signals;
           op_done_signal = true;
         }
@@ -262,7 +347,7 @@ struct World::Impl {
       const int delay = pause ? std::uniform_int_distribution<int>(1, cap)(rng) : 0;
       if (ops.empty()) {
         busy = false;
-        idle_cv.notify_all();
+        if (!any_hidden()) idle_cv.notify_all();
       }
       if (delay > 0) {
         lock.unlock();
@@ -330,6 +415,7 @@ World::World(const WorldConfig& cfg) : impl_(new Impl) {
     I.segs.push_back(static_cast<char*>(s));
   }
   I.fence_gen.assign(static_cast<size_t>(cfg.pes), 0);
+  I.hidden.assign(static_cast<size_t>(cfg.pes), {});
   I.rng.seed(cfg.seed);
   I.proxy = std::thread([&I] { I.run_proxy(); });
 }
@@ -344,6 +430,11 @@ World::~World() {
   I.proxy.join();
   for (char* s : I.segs) munmap(s, I.seg_span);
   g_wire_record = false;
+}
+
+void consistency_totals(uint64_t* hidden, uint64_t* points) {
+  *hidden = World::Impl::hidden_writes.load();
+  *points = World::Impl::consistency_points.load();
 }
 
 const WorldConfig& World::config() const { return impl_->cfg; }
@@ -387,7 +478,8 @@ void World::quiet() {
   Impl& I = *impl_;
   std::unique_lock<std::mutex> lock(I.mu);
   const auto until = Clock::now() + std::chrono::duration<double>(I.cfg.barrier_timeout_s);
-  if (!I.idle_cv.wait_until(lock, until, [&] { return I.ops.empty() && !I.busy; }))
+  I.cv.notify_all();  // (hidden writes: the proxy reveals them when due)
+  if (!I.idle_cv.wait_until(lock, until, [&] { return I.ops.empty() && !I.busy && !I.any_hidden(); }))
     die("the proxy did not drain its queue in time");
 }
 
@@ -744,8 +836,18 @@ void nvshmem_uint64_wait_until(uint64_t* ivar, int cmp, uint64_t cmp_value) {
   if (g_wire_record) wire_log(WireKind::kWaitUntil, c.pe, ivar, 8);
   const uint64_t start = nvrar::emu::now_ns();
   const uint64_t limit = static_cast<uint64_t>(c.world->cfg.barrier_timeout_s * 1e9);
+  // The consistency point (proxy-consistency mode): every write delivered to this PE so far
+  // becomes visible, the wait's own word included.
+  auto point = [&] {
+    if (c.world->cfg.consistency_delay_us <= 0) return;
+    std::lock_guard<std::mutex> lock(c.world->mu);
+    c.world->reveal(c.pe, true);
+    ++c.world->consistency_points;
+  };
+  point();
   while (std::atomic_ref<uint64_t>(*ivar).load(std::memory_order_acquire) < cmp_value) {
     if (nvrar::emu::now_ns() - start > limit) die("nvshmem_uint64_wait_until: the value never came");
     std::this_thread::sleep_for(std::chrono::microseconds(50));
+    point();
   }
 }

@@ -22,6 +22,11 @@ struct WorldConfig {
   int max_delay_us = 30;          // the proxy's random delays, at most this long
   size_t segment_bytes = 0;       // every PE's symmetric segment, zeroed
   size_t max_piece_bytes = 256;   // the proxy delivers a put in pieces of 8 to this many bytes
+  // Proxy-consistency mode (IBRC without gdrcopy, NVSHMEM's init.cu): > 0: every write the proxy
+  // delivers (a put's pieces, a signal) becomes visible to the target's loads only after a random
+  // delay of up to this many microseconds, each on its own (a signal may be seen before its data),
+  // or at once at the target's consistency point: nvshmem_uint64_wait_until.
+  int consistency_delay_us = 0;
 };
 
 // The wire ledger's raw record (docs/gpu/emulation.md, "Wire ledger"): with recording on, every
@@ -66,6 +71,9 @@ struct ProxyStats {
   uint64_t signals = 0;
   uint64_t reordered = 0;  // deliveries that overtook an earlier-issued operation
 };
+
+// Proxy-consistency mode over every world of this process: writes hidden, consistency points.
+void consistency_totals(uint64_t* hidden, uint64_t* points);
 
 class World {
  public:
