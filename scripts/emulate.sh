@@ -209,6 +209,11 @@ PY
   m consistency-point-skipped cuda/device.cuh plain \
     'nvshmem_uint64_wait_until(c, NVSHMEM_CMP_GE, target);' '(void)target;' \
     -- --consistency --only "allreduce 2x1 float32" --only "allreduce 3x1 float32"
+  # fail() waits for its remote aborts' delivery (a fence, IBGDA's quiet): with a stalled proxy
+  # it never returns (no deadline inside NVSHMEM).
+  m fail-waits-for-delivery cuda/device.cuh plain \
+    'word, NVSHMEM_SIGNAL_SET, r);\n    }' 'word, NVSHMEM_SIGNAL_SET, r);\n    }\n    nvshmem_fence();' \
+    -- --only "stalled proxy" --case-timeout 20
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
   exit $?

@@ -159,6 +159,7 @@ struct Setup {
   uint64_t epoch0 = 0;
   int max_delay_us = 30;  // the proxy's random delays (WorldConfig)
   size_t max_piece_bytes = 256;  // the proxy's largest piece of a put (WorldConfig)
+  int stalled_pe = -1;           // the proxy stalls every operation from or to this PE (WorldConfig)
 };
 
 // --waves: every launch that is not cooperative (one block per channel: NOTE [epoch protocol],
@@ -208,6 +209,7 @@ struct Exec {
     wc.max_delay_us = s.max_delay_us;
     wc.max_piece_bytes = s.max_piece_bytes;
     wc.consistency_delay_us = g_consistency_us;
+    wc.stalled_pe = s.stalled_pe;
     wc.segment_bytes = geo[0].layout.total_bytes;
     wc.barrier_timeout_s = s.timeout_s + 60;
     world.reset(new World(wc));
@@ -578,6 +580,51 @@ void run_absent(int N, int G, int victim, int waiter, Phase phase, int step, siz
     }
   }
   EXPECT(took < 30, "the abort took " << took << " s to reach every rank");
+}
+
+// A stalled proxy (emu.h WorldConfig::stalled_pe): nothing from or to PE `stalled` is delivered or
+// acknowledged. Every PE, the stalled one included, must record a failure and every block of every
+// PE return within the deadline (1 s) plus 1 s: no wait without a deadline, fail() included (its
+// remote aborts to the stalled PE stay queued: fail() must not wait for them).
+void run_stalled(int N, int G, int stalled, size_t ll, uint64_t seed) {
+  Setup su;
+  su.N = N;
+  su.G = G;
+  su.ll_max_bytes = ll;
+  su.seed = seed;
+  su.max_blocks = 2;
+  su.timeout_s = 1.0;
+  su.stalled_pe = stalled;
+  Exec ex(su);
+  const int W = ex.W;
+  const size_t count = 512;
+  std::vector<std::vector<float>> buf(static_cast<size_t>(W), std::vector<float>(count + kCanary / 4, 1.0f));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = count;
+    c.alg = Algorithm::kTwoShot;
+    c.in = c.out = reinterpret_cast<char*>(buf[static_cast<size_t>(r)].data());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  run_call(ex, args);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    EXPECT(e.code != 0 && e.published == 1, "rank " << r << " recorded no failure: " << record_text(e));
+  }
+  // The stalled PE's inter-node partner in the first exchange waits for it across nodes.
+  const int partner = (stalled / G ^ 1) * G + stalled % G;
+  if (partner < W) {
+    const ErrorRecord& pe = ex.err[static_cast<size_t>(partner)];
+    EXPECT(pe.origin == partner ? pe.code == gpu::kTimeoutCode && pe.phase == static_cast<uint32_t>(Phase::kInterNode)
+                                : pe.code != 0,
+           "rank " << partner << " (the stalled PE's partner): " << record_text(pe));
+  }
+  // (ThreadSanitizer runs the emulated threads 5-10x slower: 4 s there.)
+  const double slack = kTsan ? 4.0 : 1.0;
+  EXPECT(took < su.timeout_s + slack, "every block returned only after " << took << " s (deadline " << su.timeout_s
+                                                                         << " s + " << slack << " s)");
 }
 
 // Rank `odd` makes another call than the others (one field of the call description differs):
@@ -1202,6 +1249,9 @@ std::vector<Case> make_cases(bool quick) {
   cs.push_back(Case{"timeout+abort 2x2: rank 3 never arrives", [](uint64_t seed) {
                       run_absent(2, 2, 3, 2, Phase::kReduceScatter, 0, 0, seed);
                     }});
+  // A stalled proxy: PE 3's operations are never delivered nor acknowledged.
+  cs.push_back(Case{"stalled proxy 2x2: PE 3 (put-signal)", [](uint64_t seed) { run_stalled(2, 2, 3, 0, seed); }});
+  cs.push_back(Case{"stalled proxy 4x1: PE 1 (LL)", [](uint64_t seed) { run_stalled(4, 1, 1, 1024, seed); }});
   // Call mismatches, one field at a time.
   const Mismatch ms[] = {
       {"count", [](CallArgs& c) { c.count += 16; }},

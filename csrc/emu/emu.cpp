@@ -273,6 +273,20 @@ struct World::Impl {
     }
   }
 
+  // Whether the proxy may deliver op (a stalled PE's operations stay queued: WorldConfig::stalled_pe).
+  bool live(const PutOp& op) const { return op.src != cfg.stalled_pe && op.dst != cfg.stalled_pe; }
+  size_t live_ops() const {
+    size_t n = 0;
+    for (const PutOp& o : ops) n += live(o) ? 1 : 0;
+    return n;
+  }
+  // Operations of PE pe still queued (what its fence waits for).
+  bool pending_from(int pe) const {
+    for (const PutOp& o : ops)
+      if (o.src == pe) return true;
+    return false;
+  }
+
   bool any_hidden() const {
     for (const auto& v : hidden)
       if (!v.empty()) return true;
@@ -294,7 +308,7 @@ struct World::Impl {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
       // Hidden writes become visible when due, also while nothing else is queued.
-      while (!stop && ops.empty() && any_hidden()) {
+      while (!stop && live_ops() == 0 && any_hidden()) {
         for (int pe = 0; pe < cfg.pes; ++pe) reveal(pe, false);
         if (!any_hidden()) {
           idle_cv.notify_all();
@@ -302,8 +316,8 @@ struct World::Impl {
         }
         cv.wait_for(lock, std::chrono::microseconds(20));
       }
-      cv.wait(lock, [&] { return stop || !ops.empty(); });
-      if (ops.empty() && stop) return;
+      cv.wait(lock, [&] { return stop || live_ops() > 0; });
+      if (stop && live_ops() == 0) return;
       busy = true;
       for (int pe = 0; pe < cfg.pes; ++pe) reveal(pe, false);
       // Eligible: no earlier-fenced operation from the same source to the same target pending
@@ -316,7 +330,8 @@ struct World::Impl {
       }
       std::vector<size_t> eligible;
       for (size_t i = 0; i < ops.size(); ++i)
-        if (ops[i].gen == low[static_cast<size_t>(ops[i].src) * static_cast<size_t>(cfg.pes) + static_cast<size_t>(ops[i].dst)])
+        if (live(ops[i]) &&
+            ops[i].gen == low[static_cast<size_t>(ops[i].src) * static_cast<size_t>(cfg.pes) + static_cast<size_t>(ops[i].dst)])
           eligible.push_back(i);
       // Adversarial: mostly the latest-issued eligible operation (overtaking what NVSHMEM does
       // not order), else any.
@@ -345,10 +360,11 @@ struct World::Impl {
       const int cap = signalled ? 20 * cfg.max_delay_us : cfg.max_delay_us;
       const bool pause = cap > 0 && (signalled ? (rng() & 1) == 0 : (rng() & 3) == 0);
       const int delay = pause ? std::uniform_int_distribution<int>(1, cap)(rng) : 0;
-      if (ops.empty()) {
+      if (live_ops() == 0) {
         busy = false;
         if (!any_hidden()) idle_cv.notify_all();
       }
+      cv.notify_all();  // (a fence waiting for this PE's operations)
       if (delay > 0) {
         lock.unlock();
         std::this_thread::sleep_for(std::chrono::microseconds(delay));
@@ -479,7 +495,7 @@ void World::quiet() {
   std::unique_lock<std::mutex> lock(I.mu);
   const auto until = Clock::now() + std::chrono::duration<double>(I.cfg.barrier_timeout_s);
   I.cv.notify_all();  // (hidden writes: the proxy reveals them when due)
-  if (!I.idle_cv.wait_until(lock, until, [&] { return I.ops.empty() && !I.busy && !I.any_hidden(); }))
+  if (!I.idle_cv.wait_until(lock, until, [&] { return I.live_ops() == 0 && !I.busy && !I.any_hidden(); }))
     die("the proxy did not drain its queue in time");
 }
 
@@ -823,11 +839,15 @@ void nvshmemx_signal_op(uint64_t* sig_addr, uint64_t signal, int sig_op, int pe)
     c.world->enqueue(c.pe, pe, nullptr, nullptr, 0, sig, signal);
 }
 
+// IBGDA's fence is a quiet (ibgda_device.cuh): it returns once the issuing PE's earlier operations
+// were delivered, with no deadline. (The proxy's ordering across a fence, its generation, stays.)
 void nvshmem_fence() {
   auto& c = ctx();
   if (g_wire_record) wire_log(WireKind::kFence, -1, nullptr, 0);
-  std::lock_guard<std::mutex> lock(c.world->mu);
+  std::unique_lock<std::mutex> lock(c.world->mu);
   ++c.world->fence_gen[static_cast<size_t>(c.pe)];
+  c.world->cv.notify_all();
+  while (c.world->pending_from(c.pe)) c.world->cv.wait_for(lock, std::chrono::microseconds(100));
 }
 
 void nvshmem_uint64_wait_until(uint64_t* ivar, int cmp, uint64_t cmp_value) {

@@ -27,6 +27,11 @@ struct WorldConfig {
   // delay of up to this many microseconds, each on its own (a signal may be seen before its data),
   // or at once at the target's consistency point: nvshmem_uint64_wait_until.
   int consistency_delay_us = 0;
+  // A stalled proxy: >= 0: the proxy neither delivers nor acknowledges any operation from or to
+  // this PE (a dead NIC, a hung proxy thread); they stay queued. nvshmem_fence, which waits for
+  // the delivery of the issuing PE's earlier operations (IBGDA's fence is a quiet), then never
+  // returns for them.
+  int stalled_pe = -1;
 };
 
 // The wire ledger's raw record (docs/gpu/emulation.md, "Wire ledger"): with recording on, every
