@@ -292,6 +292,25 @@ struct GpuTransport {
     }
   }
 
+  // NOTE [loud after failure]: a kernel of a communicator that failed (this rank recorded a
+  // failure, or another rank's abort arrived) runs no round: the slots' state after the failed
+  // round is unknown (a put of that round may still land), NOTE [epoch protocol]. An eager call
+  // never gets here (the host raises the recorded failure before it launches); a CUDA-graph
+  // replay does, with no nvrar host code around it: the kernel records the abort if it was not
+  // recorded yet, then traps (device_trap), so that the replay ends with an error that every
+  // later CUDA call of the process reports instead of decoding on stale data. Every thread of
+  // the block: true (after the block agreed) where the kernel must trap.
+  __device__ bool failed_before(uint64_t e0) {
+    if (threadIdx.x == 0) {
+      const bool mine = ld_volatile(&kp.state->err_claim) != 0;
+      sh.ok = mine || aborted(Phase::kSetup, 0, -1, e0) ? 0 : 1;
+    }
+    __syncthreads();
+    const bool failed = sh.ok == 0;
+    __syncthreads();  // nobody overwrites sh.ok before everyone read it
+    return failed;
+  }
+
   // Leader only: true while no abort arrived; else records it (kind and origin from the word).
   __device__ bool aborted(Phase phase, int step, int peer, uint64_t epoch) {
     const uint64_t* c = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());

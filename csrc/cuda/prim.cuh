@@ -18,6 +18,7 @@
 //   volatile      ld_volatile / st_volatile: the device code's volatile accesses, named (the
 //                 emulation makes them relaxed atomics)
 //   time          globaltimer() (%globaltimer, ns), __nanosleep(ns)
+//   trap          device_trap(): __trap(), the grid ends and the context keeps a sticky error
 //   warp          __shfl_down_sync, __shfl_sync (full mask only)
 //   arithmetic    __fadd_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn, __float_as_uint, __uint_as_float
 //   vectors       uint4

@@ -45,6 +45,10 @@ __device__ __forceinline__ void ld_relaxed_sys_v2(const uint64_t* p, uint64_t& a
 // The volatile accesses of the device code (a shared flag polled by a block's threads, the
 // host-mapped error record, the epoch read at kernel start), named so that the emulation can
 // make them what they stand for: relaxed atomic accesses.
+// The grid ends with an error that every later CUDA call of the process reports (the context is
+// unusable): how a failure surfaces where no host code of nvrar runs (a CUDA-graph replay).
+__device__ __forceinline__ void device_trap() { __trap(); }
+
 __device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 __device__ __forceinline__ unsigned long long ld_volatile(const unsigned long long* p) {
   return *reinterpret_cast<const volatile unsigned long long*>(p);

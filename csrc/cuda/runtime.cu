@@ -390,7 +390,14 @@ void GpuExecutor::Impl::raise_recorded() {
 void GpuExecutor::check(uintptr_t stream) {
   Impl& I = *impl_;
   NVRAR_CHECK(!I.closed, "the communicator is closed");
-  if (stream != 0) NVRAR_CUDA_CHECK(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
+  if (stream != 0) {
+    const cudaError_t st = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+    // A kernel that found its communicator failed at entry traps (NOTE [loud after failure],
+    // device.cuh): the recorded failure (host-mapped, readable still) says why, before the CUDA
+    // error that the trap left in the context.
+    if (st != cudaSuccess) I.raise_recorded();
+    NVRAR_CUDA_CHECK(st);
+  }
   I.raise_recorded();
 }
 

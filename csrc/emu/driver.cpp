@@ -582,6 +582,70 @@ void run_absent(int N, int G, int victim, int waiter, Phase phase, int step, siz
   EXPECT(took < 30, "the abort took " << took << " s to reach every rank");
 }
 
+// NOTE [loud after failure] (device.cuh): after a failed call, the same call launched again on
+// every PE without any host check (a CUDA-graph replay) runs no round -- every PE's segment is
+// bitwise unchanged -- and every PE traps (the emulated context's sticky error), the absent rank
+// of the failed call too (it records the abort it finds at entry).
+void run_replay_after_failure(int N, int G, int victim, int waiter, size_t ll, bool fused, uint64_t seed) {
+  Setup su;
+  su.N = N;
+  su.G = G;
+  su.ll_max_bytes = ll;
+  su.seed = seed;
+  su.max_blocks = 2;
+  Exec ex(su);
+  ex.timeout_s[static_cast<size_t>(waiter)] = 1.0;
+  const int W = ex.W;
+  const size_t count = 512;
+  std::vector<std::vector<float>> buf(static_cast<size_t>(W), std::vector<float>(count + kCanary / 4, 1.0f));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = count;
+    c.alg = Algorithm::kTwoShot;
+    c.in = c.out = reinterpret_cast<char*>(buf[static_cast<size_t>(r)].data());
+    c.absent = r == victim;
+  }
+  run_call(ex, args);
+  ex.world->quiet();
+  for (int r = 0; r < W; ++r) {
+    EXPECT(r == victim || ex.err[static_cast<size_t>(r)].code != 0,
+           "rank " << r << " recorded no failure in the failed call: " << record_text(ex.err[static_cast<size_t>(r)]));
+    EXPECT(!ex.world->trapped(r), "rank " << r << " trapped in the failed call itself");
+  }
+  // The replay: every rank, the absent one too, launches the same kernel again; no host check.
+  std::vector<std::vector<char>> before(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) before[static_cast<size_t>(r)].assign(ex.seg(r), ex.seg(r) + ex.geo[0].layout.total_bytes);
+  const std::vector<std::vector<float>> out_before = buf;
+  for (auto& c : args) c.absent = false;
+  if (fused) {
+    std::vector<gpu::FusedParams> fps;
+    const size_t h = 64, rows = count / h;
+    std::vector<std::vector<float>> res(static_cast<size_t>(W), std::vector<float>(count, 0.5f)), w(static_cast<size_t>(W), std::vector<float>(h, 1.0f));
+    for (int r = 0; r < W; ++r)
+      fps.push_back(gpu::fused_params(ex.geometry(r), ex.handles(r), reinterpret_cast<uintptr_t>(buf[static_cast<size_t>(r)].data()),
+                                      reinterpret_cast<uintptr_t>(res[static_cast<size_t>(r)].data()),
+                                      reinterpret_cast<uintptr_t>(w[static_cast<size_t>(r)].data()), rows, h, DType::kFloat32, 1e-5f,
+                                      Algorithm::kTwoShot));
+    ex.world->launch(std::vector<int>(static_cast<size_t>(W), 1), 64, [&](int pe) {
+      dispatch_fused(fps[static_cast<size_t>(pe)], DType::kFloat32);
+    });
+  } else {
+    run_call(ex, args);
+  }
+  ex.world->quiet();
+  for (int r = 0; r < W; ++r) {
+    EXPECT(ex.world->trapped(r), "rank " << r << " ran the replay after the failure without trapping");
+    EXPECT(std::memcmp(before[static_cast<size_t>(r)].data(), ex.seg(r), before[static_cast<size_t>(r)].size()) == 0,
+           "rank " << r << "'s segment changed: the replay touched slots after the failure");
+    EXPECT(buf[static_cast<size_t>(r)] == out_before[static_cast<size_t>(r)], "rank " << r << "'s buffer changed in the replay");
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    EXPECT(e.code != 0 && e.published == 1, "rank " << r << " has no record after the replay: " << record_text(e));
+  }
+  const ErrorRecord& v = ex.err[static_cast<size_t>(victim)];
+  EXPECT(v.origin == waiter, "the absent rank " << victim << " should name rank " << waiter << " as the origin: " << record_text(v));
+}
+
 // A stalled proxy (emu.h WorldConfig::stalled_pe): nothing from or to PE `stalled` is delivered or
 // acknowledged. Every PE, the stalled one included, must record a failure and every block of every
 // PE return within the deadline (1 s) plus 1 s: no wait without a deadline, fail() included (its
@@ -1248,6 +1312,13 @@ std::vector<Case> make_cases(bool quick) {
                     }});
   cs.push_back(Case{"timeout+abort 2x2: rank 3 never arrives", [](uint64_t seed) {
                       run_absent(2, 2, 3, 2, Phase::kReduceScatter, 0, 0, seed);
+                    }});
+  // A CUDA-graph replay after a failure: no round, every PE traps (NOTE [loud after failure]).
+  cs.push_back(Case{"replay after failure 2x2: rank 3 never arrived, then all relaunch", [](uint64_t seed) {
+                      run_replay_after_failure(2, 2, 3, 1, 0, false, seed);
+                    }});
+  cs.push_back(Case{"replay after failure 3x1 (LL, fused): rank 2 never arrived, then all relaunch", [](uint64_t seed) {
+                      run_replay_after_failure(3, 1, 2, 0, 1024, true, seed);
                     }});
   // A stalled proxy: PE 3's operations are never delivered nor acknowledged.
   cs.push_back(Case{"stalled proxy 2x2: PE 3 (put-signal)", [](uint64_t seed) { run_stalled(2, 2, 3, 0, seed); }});

@@ -159,6 +159,7 @@ struct Hidden {
 struct World::Impl {
   WorldConfig cfg;
   std::vector<char*> segs;
+  std::unique_ptr<std::atomic<bool>[]> trapped;  // per PE: the context's sticky error (device_trap)
   std::vector<std::vector<Hidden>> hidden;  // per target PE (mu held)
   static inline std::atomic<uint64_t> consistency_points{0}, hidden_writes{0};  // every world's
   // The proxy.
@@ -432,6 +433,8 @@ World::World(const WorldConfig& cfg) : impl_(new Impl) {
   }
   I.fence_gen.assign(static_cast<size_t>(cfg.pes), 0);
   I.hidden.assign(static_cast<size_t>(cfg.pes), {});
+  I.trapped = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(cfg.pes));
+  for (int p = 0; p < cfg.pes; ++p) I.trapped[static_cast<size_t>(p)].store(false);
   I.rng.seed(cfg.seed);
   I.proxy = std::thread([&I] { I.run_proxy(); });
 }
@@ -447,6 +450,9 @@ World::~World() {
   for (char* s : I.segs) munmap(s, I.seg_span);
   g_wire_record = false;
 }
+
+bool World::trapped(int pe) const { return impl_->trapped[static_cast<size_t>(pe)].load(); }
+void World::reset_trapped(int pe) { impl_->trapped[static_cast<size_t>(pe)].store(false); }
 
 void consistency_totals(uint64_t* hidden, uint64_t* points) {
   *hidden = World::Impl::hidden_writes.load();
@@ -501,6 +507,9 @@ void World::quiet() {
 
 namespace {
 
+// What device_trap throws through the kernel to its thread's start.
+struct TrapExit {};
+
 // A launch's end of block b (the last of its threads returned): PeLaunchImpl starts the next
 // block of a launch in waves.
 struct BlockDone {
@@ -527,7 +536,11 @@ void* thread_main(void* p) {
   blockIdx = uint3{static_cast<unsigned>(a.b), 0, 0};
   blockDim = uint3{static_cast<unsigned>(a.threads), 1, 1};
   gridDim = uint3{static_cast<unsigned>(a.blocks), 1, 1};
-  (*a.kernel)(a.pe);
+  try {
+    (*a.kernel)(a.pe);
+  } catch (const TrapExit&) {
+    // device_trap(): this thread ends here (the PE's sticky error is set)
+  }
   if (!t_ctx.wire.empty()) {
     std::lock_guard<std::mutex> lock(a.world->wire_mu);
     a.world->wire.insert(a.world->wire.end(), t_ctx.wire.begin(), t_ctx.wire.end());
@@ -676,6 +689,12 @@ void syncthreads() {
 #if defined(__SANITIZE_THREAD__)
   c.armed = false;
 #endif
+}
+
+void trap() {
+  ThreadCtx& c = ctx();
+  c.world->trapped[static_cast<size_t>(c.pe)].store(true);
+  throw TrapExit{};
 }
 
 void warp_exchange(uint32_t v, uint32_t* lanes) {

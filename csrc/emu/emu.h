@@ -104,6 +104,9 @@ class World {
                                       int resident = 0);
   // Until the proxy delivered everything issued so far.
   void quiet();
+  // Whether PE pe's device code trapped (device_trap: the context's sticky error); reset() clears it.
+  bool trapped(int pe) const;
+  void reset_trapped(int pe);
   ProxyStats stats() const;
   // The wire ledger: while on (between launches only), the device code's operations are logged;
   // take_wire_ops returns them in issue order and empties the log.

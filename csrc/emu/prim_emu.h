@@ -58,6 +58,7 @@ namespace emu {
 // The runtime side (emu.cpp).
 void* block_shared(size_t bytes, size_t align);  // this block's next shared object
 void syncthreads();
+[[noreturn]] void trap();
 void warp_exchange(uint32_t v, uint32_t* lanes);  // lanes[32] of my warp after everyone wrote
 void fence(bool system);
 void nanosleep(unsigned ns);
@@ -86,6 +87,9 @@ inline void __syncthreads() { ::nvrar::emu::syncthreads(); }
 inline void __threadfence() { ::nvrar::emu::fence(false); }
 inline void __threadfence_system() { ::nvrar::emu::fence(true); }
 inline void __nanosleep(unsigned ns) { ::nvrar::emu::nanosleep(ns); }
+// __trap(): the emulated PE's context gets a sticky error (World::trapped) and the calling
+// thread ends (the emulation ends only the threads that trap; on a GPU the whole grid ends).
+[[noreturn]] inline void device_trap() { ::nvrar::emu::trap(); }
 
 inline int atomicCAS(int* p, int expected, int desired) {
   ::nvrar::emu::tsan_store(p);
