@@ -108,6 +108,18 @@ def test_emulated_device_suite_under_thread_sanitizer():
     assert "WARNING: ThreadSanitizer" not in r.stderr
 
 
+@pytest.mark.skipif(bool(tsan_missing()), reason=tsan_missing() or "ok")
+def test_emulated_device_suite_under_thread_sanitizer_in_waves_and_proxy_consistency():
+    # Both adversaries at once, under ThreadSanitizer (the quick set fits).
+    r = run_emulate("--tsan", "--quick", "--waves", "--consistency", "--seed", "16", timeout=1500)
+    passed, failed, tsan = summary(r)
+    fails = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
+    assert r.returncode == 0 and failed == 0 and passed >= 40 and tsan == "on", fails
+    assert "WARNING: ThreadSanitizer" not in r.stderr
+    assert re.search(r"^block waves: [1-9]\d* of \d+ PE launches ran in waves$", r.stdout, re.M)
+    assert re.search(r"^proxy consistency: [1-9]\d* delivered writes hidden, [1-9]\d* consistency points$", r.stdout, re.M)
+
+
 @pytest.mark.skipif(bool(compiler_missing()), reason=compiler_missing() or "ok")
 def test_barrier_that_a_thread_never_reaches_aborts_naming_it():
     """The emulated __syncthreads has a deadline: a divergent barrier ends the run with the block
