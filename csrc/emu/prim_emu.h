@@ -1,7 +1,8 @@
 // The device primitives of csrc/cuda/prim.cuh, emulated on the host (g++ -DNVRAR_EMULATE): the
 // device code compiles unchanged against these names and runs as plain threads.
 //
-//   one OS thread per CUDA thread; a kernel launch starts every block of every PE at once
+//   one OS thread per CUDA thread; a kernel launch starts every block of every PE at once (or, in
+//                     block waves, at most k of a PE's blocks at a time: World::launch_pe)
 //   __syncthreads     a barrier of the block WITH a deadline: a barrier that some thread never
 //                     reaches aborts the process with a message naming PE, block and threads
 //   shared memory     NVRAR_SHARED: one object per block (filled with garbage at launch)
