@@ -203,7 +203,7 @@ PY
   # waves a channel's blocks are not all resident and its message never leaves.
   m cooperative-launch-dropped cuda/params.h plain \
     'return clamp_channels(channels) < blocks; }' 'return false && clamp_channels(channels) < blocks; }' \
-    -- --waves --only "allreduce 2x2 float32 sum two-shot n=5000"
+    -- --waves --only "allreduce 2x2 float32 sum two-shot n=5000" --case-timeout 10
   # The consistency point before a put-with-signal's trailer and data are read skipped: in
   # proxy-consistency mode they may not be visible yet.
   m consistency-point-skipped cuda/device.cuh plain \
@@ -213,7 +213,7 @@ PY
   # it never returns (no deadline inside NVSHMEM).
   m fail-waits-for-delivery cuda/device.cuh plain \
     'word, NVSHMEM_SIGNAL_SET, r);\n    }' 'word, NVSHMEM_SIGNAL_SET, r);\n    }\n    nvshmem_fence();' \
-    -- --only "stalled proxy" --case-timeout 20
+    -- --only "stalled proxy" --case-timeout 8
   # The entry check dropped: a replay after a failure runs a round on slots of unknown state and
   # does not trap (NOTE [loud after failure]).
   m entry-check-dropped cuda/allreduce_kernel.cuh plain \
