@@ -13,7 +13,8 @@
 # --quick      a smaller set of cases (every layout and path at least once)
 # --waves      block waves: a launch that is not cooperative (one block per channel; the channel
 #              count is 4 here) runs at most k of its blocks at once on each PE, 1 <= k < blocks
-#              drawn per PE and call from the seed, the next block starting when one ends
+#              drawn per PE and call from the seed (one PE per call, in turn, k = 1), the next
+#              block starting when one ends
 # --consistency proxy-consistency mode (IBRC without gdrcopy): a write the proxy delivers (a put's
 #              pieces, a signal, each on its own) becomes visible up to 300 us late, or at once at
 #              the target's consistency point (nvshmem_uint64_wait_until)
@@ -50,7 +51,7 @@ while [ $# -gt 0 ]; do
     --only) only+=(--only "${2:?--only needs a substring}"); shift ;;
     --ledger) ledger=("${2:?--ledger needs LAYOUT SIZE}" "${3:?--ledger needs LAYOUT SIZE}"); shift 2 ;;
     --algorithm|--dtype|--threads|--channels|--ll-max-bytes) ledger_opts+=("$1" "${2:?$1 needs a value}"); shift ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
     *) echo "emulate.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift

@@ -296,9 +296,12 @@ void run_call_chunks(Exec& ex, const std::vector<CallArgs>& a, const std::vector
   std::vector<int> resident(static_cast<size_t>(ex.W), 0);
   if (g_waves) {
     std::mt19937_64 rng(ex.su.seed * 0x9E3779B97F4A7C15ull + ++ex.calls);
+    // One PE per call (in turn) runs one block at a time, the strongest case; the others draw k.
+    const int one_at_a_time = static_cast<int>(ex.calls % static_cast<uint64_t>(ex.W));
     for (int r = 0; r < ex.W; ++r) {
       const int B = blocks[static_cast<size_t>(r)];
-      if (B > 1 && !gpu::cooperative_launch(kps[static_cast<size_t>(r)].channels, B)) resident[static_cast<size_t>(r)] = 1 + static_cast<int>(rng() % static_cast<uint64_t>(B - 1));
+      if (B > 1 && !gpu::cooperative_launch(kps[static_cast<size_t>(r)].channels, B))
+        resident[static_cast<size_t>(r)] = r == one_at_a_time ? 1 : 1 + static_cast<int>(rng() % static_cast<uint64_t>(B - 1));
       if (B > 0) ++g_launches;
       if (resident[static_cast<size_t>(r)] > 0) ++g_wave_launches;
     }
