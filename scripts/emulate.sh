@@ -133,15 +133,20 @@ PY
       echo "mutation $name: NOT APPLIED (a pattern is not in $file any more: update scripts/emulate.sh)"; return 1
     fi
     local flags=("${plain_flags[@]}"); [ "$san" = tsan ] && flags=("${tsan_flags[@]}")
-    # The objects that do not include the device code are shared between mutants.
+    # The objects that do not include the device code are shared between mutants; the driver
+    # includes cuda/params.h and cuda/launch_params.h (the host side of a launch), so a mutant of
+    # those builds its own driver.o and shares nothing it built.
+    local shared=(emu driver)
+    case "$file" in cuda/params.h|cuda/launch_params.h) shared=(emu) ;; esac
     mkdir -p "$dir"
-    for o in emu driver; do
+    for o in "${shared[@]}"; do
       [ -f "$mut_root/common-$san/$o.o" ] && cp -p "$mut_root/common-$san/$o.o" "$dir/$o.o"
     done
-    if ! NVRAR_EMU_KEEP="emu.o driver.o" build_driver "$dir" "$src" 1 "${flags[@]}" >"$dir/build.log" 2>&1; then
+    if ! NVRAR_EMU_KEEP="${shared[*]/%/.o}" build_driver "$dir" "$src" 1 "${flags[@]}" >"$dir/build.log" 2>&1; then
       echo "mutation $name: BUILD FAILED (see $dir/build.log)"; return 1
     fi
-    mkdir -p "$mut_root/common-$san"; cp -p "$dir/emu.o" "$dir/driver.o" "$mut_root/common-$san/"
+    mkdir -p "$mut_root/common-$san"
+    for o in "${shared[@]}"; do cp -p "$dir/$o.o" "$mut_root/common-$san/"; done
     local log="$dir/run.log"
     set +e
     # Under ThreadSanitizer the first report ends the run (GCC 12's runtime can deadlock when
