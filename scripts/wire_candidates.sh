@@ -41,25 +41,21 @@ run() {  # NAME ARGS...: one ledger into $out/NAME.json
     echo "FAILED $name (see $out/$name.err)" >&2
   fi
 }
-for layout in 2x4 2x8 4x2; do
-  for size in 128K 512K 2M; do
-    [ -z "$only" ] || [ "$only" = "$layout-$size" ] || continue
-    for alg in one-shot two-shot; do
-      run "$layout-$size-$alg-put_signal" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 0
-      run "$layout-$size-$alg-ll" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 16M
+plans() {  # "LAYOUTS" "SIZES": every algorithm x protocol of each cell
+  local layout size alg
+  for layout in $1; do
+    for size in $2; do
+      [ -z "$only" ] || [ "$only" = "$layout-$size" ] || continue
+      for alg in one-shot two-shot; do
+        run "$layout-$size-$alg-put_signal" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 0
+        run "$layout-$size-$alg-ll" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 16M
+      done
     done
   done
-done
+}
+plans "2x4 2x8 4x2" "128K 512K 2M"
 # The smaller messages that place the one-shot and LL thresholds (nvrar/settings.py cites them).
-for layout in 2x4 2x8 4x2 4x4; do
-  for size in 16K 32K 64K; do
-    [ -z "$only" ] || [ "$only" = "$layout-$size" ] || continue
-    for alg in one-shot two-shot; do
-      run "$layout-$size-$alg-put_signal" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 0
-      run "$layout-$size-$alg-ll" "$layout" "$size" --algorithm "$alg" --ll-max-bytes 16M
-    done
-  done
-done
+plans "2x4 2x8 4x2 4x4" "16K 32K 64K"
 if [ -z "$only" ] || [ "$only" = 2x8-512K ]; then
   for c in 1 2 4; do run "2x8-512K-channels-$c" 2x8 512K --channels "$c"; done
 fi
