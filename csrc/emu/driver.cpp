@@ -541,6 +541,22 @@ void run_fused_t(int N, int G, Algorithm alg, size_t rows, size_t h, int threads
 // PE `victim` never launches. `waiter` (a rank that waits for it directly) has a short deadline,
 // the others a long one: the waiter records the timeout naming the victim, and every other rank
 // ends with the waiter's abort (across nodes through the proxy).
+// The failure cases' call: 512 float32 ones in place, two-shot, on every rank but `absent` (-1:
+// none), with at most 2 blocks; the buffers (canary room included) in `buf`.
+std::vector<CallArgs> ones_call(int W, int absent, std::vector<std::vector<float>>* buf) {
+  const size_t count = 512;
+  buf->assign(static_cast<size_t>(W), std::vector<float>(count + kCanary / 4, 1.0f));
+  std::vector<CallArgs> args(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    CallArgs& c = args[static_cast<size_t>(r)];
+    c.count = count;
+    c.alg = Algorithm::kTwoShot;
+    c.in = c.out = reinterpret_cast<char*>((*buf)[static_cast<size_t>(r)].data());
+    c.absent = r == absent;
+  }
+  return args;
+}
+
 void run_absent(int N, int G, int victim, int waiter, Phase phase, int step, size_t ll, uint64_t seed) {
   Setup su;
   su.N = N;
@@ -552,16 +568,8 @@ void run_absent(int N, int G, int victim, int waiter, Phase phase, int step, siz
   Exec ex(su);
   ex.timeout_s[static_cast<size_t>(waiter)] = 1.0;
   const int W = ex.W;
-  const size_t count = 512;
-  std::vector<std::vector<float>> buf(static_cast<size_t>(W), std::vector<float>(count + kCanary / 4, 1.0f));
-  std::vector<CallArgs> args(static_cast<size_t>(W));
-  for (int r = 0; r < W; ++r) {
-    CallArgs& c = args[static_cast<size_t>(r)];
-    c.count = count;
-    c.alg = Algorithm::kTwoShot;
-    c.in = c.out = reinterpret_cast<char*>(buf[static_cast<size_t>(r)].data());
-    c.absent = r == victim;
-  }
+  std::vector<std::vector<float>> buf;
+  std::vector<CallArgs> args = ones_call(W, victim, &buf);
   const auto t0 = std::chrono::steady_clock::now();
   run_call(ex, args);
   ex.world->quiet();
@@ -599,16 +607,8 @@ void run_replay_after_failure(int N, int G, int victim, int waiter, size_t ll, b
   Exec ex(su);
   ex.timeout_s[static_cast<size_t>(waiter)] = 1.0;
   const int W = ex.W;
-  const size_t count = 512;
-  std::vector<std::vector<float>> buf(static_cast<size_t>(W), std::vector<float>(count + kCanary / 4, 1.0f));
-  std::vector<CallArgs> args(static_cast<size_t>(W));
-  for (int r = 0; r < W; ++r) {
-    CallArgs& c = args[static_cast<size_t>(r)];
-    c.count = count;
-    c.alg = Algorithm::kTwoShot;
-    c.in = c.out = reinterpret_cast<char*>(buf[static_cast<size_t>(r)].data());
-    c.absent = r == victim;
-  }
+  std::vector<std::vector<float>> buf;
+  std::vector<CallArgs> args = ones_call(W, victim, &buf);
   run_call(ex, args);
   ex.world->quiet();
   for (int r = 0; r < W; ++r) {
@@ -626,7 +626,7 @@ void run_replay_after_failure(int N, int G, int victim, int waiter, size_t ll, b
   for (auto& c : args) c.absent = false;
   if (fused) {
     std::vector<gpu::FusedParams> fps;
-    const size_t h = 64, rows = count / h;
+    const size_t count = args[0].count, h = 64, rows = count / h;
     std::vector<std::vector<float>> res(static_cast<size_t>(W), std::vector<float>(count, 0.5f)), w(static_cast<size_t>(W), std::vector<float>(h, 1.0f));
     for (int r = 0; r < W; ++r)
       fps.push_back(gpu::fused_params(ex.geometry(r), ex.handles(r), reinterpret_cast<uintptr_t>(buf[static_cast<size_t>(r)].data()),
@@ -667,15 +667,8 @@ void run_stalled(int N, int G, int stalled, size_t ll, uint64_t seed) {
   su.stalled_pe = stalled;
   Exec ex(su);
   const int W = ex.W;
-  const size_t count = 512;
-  std::vector<std::vector<float>> buf(static_cast<size_t>(W), std::vector<float>(count + kCanary / 4, 1.0f));
-  std::vector<CallArgs> args(static_cast<size_t>(W));
-  for (int r = 0; r < W; ++r) {
-    CallArgs& c = args[static_cast<size_t>(r)];
-    c.count = count;
-    c.alg = Algorithm::kTwoShot;
-    c.in = c.out = reinterpret_cast<char*>(buf[static_cast<size_t>(r)].data());
-  }
+  std::vector<std::vector<float>> buf;
+  std::vector<CallArgs> args = ones_call(W, -1, &buf);
   const auto t0 = std::chrono::steady_clock::now();
   run_call(ex, args);
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
