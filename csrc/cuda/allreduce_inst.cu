@@ -16,27 +16,17 @@ namespace gpu {
 // the launch fails (cudaErrorCooperativeLaunchTooLarge, raised on the host) rather than running
 // part of the grid, and a cooperative kernel node can be captured in a CUDA graph
 // (cudaLaunchAttributeCooperative is valid for launches and graph nodes). A launch with one block
-// per channel is an ordinary one: its blocks never wait for each other.
+// per channel is an ordinary one: its blocks never wait for each other. The launch itself: the
+// launch primitive launch_kernel (prim_cuda.cuh; the host emulation's in csrc/emu/prim_emu.h).
 template <typename T, typename Op>
 cudaError_t launch_instance(const KernelParams& kp, int blocks, int threads, cudaStream_t stream) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = cooperative_launch(kp.channels, blocks) ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, nvrar_allreduce_kernel<T, Op>, kp);
+  return launch_kernel(nvrar_allreduce_kernel<T, Op>, blocks, threads, cooperative_launch(kp.channels, blocks), stream,
+                       kp);
 }
 
 template <typename T, typename Op>
 int max_threads_instance() {
-  cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, nvrar_allreduce_kernel<T, Op>) != cudaSuccess) return 0;
-  return a.maxThreadsPerBlock;
+  return kernel_max_threads(nvrar_allreduce_kernel<T, Op>);
 }
 
 template cudaError_t launch_instance<NVRAR_INST_T, NVRAR_INST_OP>(const KernelParams&, int, int, cudaStream_t);

@@ -13,15 +13,12 @@ namespace gpu {
 
 template <typename T>
 cudaError_t launch_fused_instance(const FusedParams& fp, int threads, cudaStream_t stream) {
-  nvrar_fused_kernel<T><<<1, threads, 0, stream>>>(fp);
-  return cudaGetLastError();
+  return launch_kernel(nvrar_fused_kernel<T>, 1, threads, false, stream, fp);  // prim_cuda.cuh
 }
 
 template <typename T>
 int max_threads_fused_instance() {
-  cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, nvrar_fused_kernel<T>) != cudaSuccess) return 0;
-  return a.maxThreadsPerBlock;
+  return kernel_max_threads(nvrar_fused_kernel<T>);
 }
 
 template cudaError_t launch_fused_instance<NVRAR_INST_T>(const FusedParams&, int, cudaStream_t);

@@ -57,5 +57,33 @@ __device__ __forceinline__ void st_volatile(unsigned long long* p, unsigned long
   *reinterpret_cast<volatile unsigned long long*>(p) = v;
 }
 
+// The launch primitive: the one way the instance units (allreduce_inst.cu, fused_inst.cu) start a
+// kernel, host code. `blocks` x `threads` on `stream`, cooperative where asked (every block
+// resident at once, or the launch fails: NOTE [channels], device.cuh). Here cudaLaunchKernelEx; in
+// the host emulation (csrc/emu/host) a launch on the emulated stream.
+template <typename P>
+inline cudaError_t launch_kernel(void (*kernel)(P), int blocks, int threads, bool cooperative, cudaStream_t stream,
+                                 const P& params) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = cooperative ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, params);
+}
+
+// The most threads per block `kernel` can launch with on the current device (0 if the query fails).
+template <typename P>
+inline int kernel_max_threads(void (*kernel)(P)) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) return 0;
+  return a.maxThreadsPerBlock;
+}
+
 }  // namespace gpu
 }  // namespace nvrar
