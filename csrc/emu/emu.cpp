@@ -197,6 +197,12 @@ struct World::Impl {
   int node_of(int pe) const { return pe / cfg.G; }
   bool reachable(int from, int to) const { return cfg.direct_remote || node_of(from) == node_of(to); }
 
+  bool inside(const void* p, int me) const {
+    const char* base = segs[static_cast<size_t>(me)];
+    const char* c = static_cast<const char*>(p);
+    return c >= base && c < base + cfg.segment_bytes;
+  }
+
   // The same offset in PE `pe`'s segment as `p` has in mine (symmetric addresses).
   char* translate(const void* p, size_t bytes, int me, int pe, const char* what) const {
     if (pe < 0 || pe >= cfg.pes) die(std::string(what) + ": PE " + std::to_string(pe) + " does not exist");
@@ -449,6 +455,13 @@ World::~World() {
   I.proxy.join();
   for (char* s : I.segs) munmap(s, I.seg_span);
   g_wire_record = false;
+}
+
+void bind_host_thread(World* w, int pe) {
+  t_ctx = ThreadCtx{};
+  if (w == nullptr) return;
+  t_ctx.world = w->impl();
+  t_ctx.pe = pe;
 }
 
 bool World::trapped(int pe) const { return impl_->trapped[static_cast<size_t>(pe)].load(); }
@@ -794,6 +807,9 @@ using nvrar::emu::WireKind;
 
 void* nvshmem_ptr(const void* dest, int pe) {
   auto& c = ctx();
+  // From host code (a thread bound by bind_host_thread): NULL for an address outside the symmetric
+  // heap, as NVSHMEM's host nvshmem_ptr answers; device code's addresses must lie inside it.
+  if (c.block == nullptr && !c.world->inside(dest, c.pe)) return nullptr;
   char* p = c.world->translate(dest, 0, c.pe, pe, "nvshmem_ptr");
   return c.world->reachable(c.pe, pe) ? p : nullptr;
 }

@@ -114,10 +114,15 @@ class World {
   std::vector<WireOp> take_wire_ops();
 
   struct Impl;
+  Impl* impl() const { return impl_.get(); }
 
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// Binds a host thread (the host half, host_emu.cpp) to PE pe of w, so that the host calls of
+// NVSHMEM that device code shares (nvshmem_ptr) answer for that PE; w == nullptr unbinds.
+void bind_host_thread(World* w, int pe);
 
 }  // namespace emu
 }  // namespace nvrar

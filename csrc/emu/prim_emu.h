@@ -214,3 +214,34 @@ void nvshmemx_putmem_nbi_block(void* dest, const void* source, size_t bytes, int
 void nvshmemx_signal_op(uint64_t* sig_addr, uint64_t signal, int sig_op, int pe);
 void nvshmem_fence();
 void nvshmem_uint64_wait_until(uint64_t* ivar, int cmp, uint64_t cmp_value);
+
+// The launch primitive (prim_cuda.cuh's launch_kernel and kernel_max_threads) in the host half of
+// the emulation (-DNVRAR_EMU_HOST, scripts/emulate.sh --host): a launch on the emulated stream,
+// which starts the kernel on the emulated device when the stream reaches it (host_emu.cpp).
+#if defined(NVRAR_EMU_HOST)
+#include <functional>
+
+#include "host/cuda_runtime.h"
+
+namespace nvrar {
+namespace emu {
+namespace host {
+int launch(void* stream, int blocks, int threads, bool cooperative, std::function<void()> fn);
+}  // namespace host
+}  // namespace emu
+namespace gpu {
+template <typename P>
+inline cudaError_t launch_kernel(void (*kernel)(P), int blocks, int threads, bool cooperative, cudaStream_t stream,
+                                 const P& params) {
+  return static_cast<cudaError_t>(
+      ::nvrar::emu::host::launch(stream, blocks, threads, cooperative, [kernel, params]() { kernel(params); }));
+}
+template <typename P>
+inline int kernel_max_threads(void (*kernel)(P)) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) return 0;
+  return a.maxThreadsPerBlock;
+}
+}  // namespace gpu
+}  // namespace nvrar
+#endif
