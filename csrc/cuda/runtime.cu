@@ -8,13 +8,17 @@
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "../common/error.h"
+#if defined(NVRAR_EMULATE)
+#include "../emu/host_emu.h"  // the host half of the emulation: per-PE environment
+#endif
 #include "../protocol/call.h"
 #include "../protocol/epilogue.h"
 #include "device.cuh"
@@ -35,15 +39,33 @@ namespace gpu {
 
 namespace {
 
-std::mutex g_mu;
-bool g_registered = false;  // this library's own NVSHMEM registration (init_status is process-wide)
-int g_users = 0;            // live executors of this process
-std::vector<std::string> g_env_set;
+// The process's NVSHMEM state as this library holds it. In the host emulation (csrc/emu/host_emu.h)
+// each emulated PE is a thread of one process, so the state is per thread there (NVRAR_PER_PROCESS
+// is thread_local), and so is the environment; the GPU build is unchanged (one process, one PE).
+#if defined(NVRAR_EMULATE)
+#define NVRAR_PER_PROCESS thread_local
+const char* env_get(const char* name) { return ::nvrar::emu::host::env_get(name); }
+void env_set(const char* name, const std::string& value) { ::nvrar::emu::host::env_set(name, value.c_str()); }
+#else
+#define NVRAR_PER_PROCESS
+const char* env_get(const char* name) { return std::getenv(name); }
+void env_set(const char* name, const std::string& value) { ::setenv(name, value.c_str(), 0); }
+#endif
+
+// g_mu guards the rest; it is never held across a collective NVSHMEM call (a PE holding it there
+// would stall every other thread of its process that creates or closes a communicator, for as
+// long as its peers take to arrive). An initialization in flight is g_initializing.
+NVRAR_PER_PROCESS std::mutex g_mu;
+NVRAR_PER_PROCESS std::condition_variable g_init_cv;
+NVRAR_PER_PROCESS bool g_initializing = false;
+NVRAR_PER_PROCESS bool g_registered = false;  // this library's own NVSHMEM registration
+NVRAR_PER_PROCESS int g_users = 0;            // live executors of this process
+NVRAR_PER_PROCESS std::vector<std::string> g_env_set;
 
 // Set an NVSHMEM variable only where the user has not, and remember it for the log.
 void setenv_default(const char* name, const std::string& value) {
-  if (std::getenv(name) != nullptr) return;
-  ::setenv(name, value.c_str(), 0);
+  if (env_get(name) != nullptr) return;
+  env_set(name, value);
   g_env_set.push_back(std::string(name) + "=" + value);
 }
 
@@ -176,7 +198,7 @@ struct GpuExecutor::Impl {
   cudaStream_t last_stream = nullptr;
   bool launched = false;
   bool captured = false;  // a call was captured: a replay may run at any time on any stream
-  int fused_threads = 0;  // threads per block of the fused kernel (0: not queried yet)
+  int fused_threads = 0;  // threads per block of the fused kernel (0: none; set by the constructor)
 
   void init_nvshmem(const std::string& uid);
   // NOTE [symmetric buffers]: a buffer anywhere in NVSHMEM's symmetric heap (nvshmem4py's
@@ -189,6 +211,9 @@ struct GpuExecutor::Impl {
     return bytes > 0 && p % 16 == 0 && nvshmem_ptr(reinterpret_cast<const void*>(p), cfg.rank) != nullptr &&
            nvshmem_ptr(reinterpret_cast<const void*>(p + bytes - 1), cfg.rank) != nullptr;
   }
+  int* verdict = nullptr;  // symmetric: the set-up verdict's slots (NOTE [set-up verdict])
+  void agree(int failed, const std::string& what, int my_pe, int n_pes);
+  void release_local();
   void raise_recorded();
   template <typename Launch>
   void enqueue(cudaStream_t s, const char* what, const Launch& launch);
@@ -210,49 +235,76 @@ void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
   NVRAR_CUDA_CHECK(cudaFree(nullptr));
   // Room for every executor of this process in the symmetric heap (never overriding the user).
   set_symmetric_size_default(cfg);
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::unique_lock<std::mutex> lock(g_mu);
+  g_init_cv.wait(lock, [] { return !g_initializing; });  // another executor of this process initializes
   const int status = nvshmemx_init_status();
   NVRAR_CHECK(status != NVSHMEM_STATUS_IS_BOOTSTRAPPED, "NVSHMEM in this process is bootstrapped but not initialized "
               "(an initialization that did not finish, e.g. nvshmem4py's init without a usable GPU context); "
               "nvrar does not complete it");
-  // Initialized already (nvshmem4py, by the user or by nvrar/_gpu.py, or another library): the
-  // call below only registers this module's device state and takes one reference; no unique id.
-  const bool joined = status >= NVSHMEM_STATUS_IS_INITIALIZED;
-  if (!g_registered && joined) {
-    int provided = 0;
-    nvshmemi_version_t ver = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
-                              NVSHMEM_VENDOR_PATCH_VERSION};
-    const int rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, 0, nullptr, ver);
-    NVRAR_CHECK(rc == 0, "registering with the NVSHMEM initialized in this process failed (code ", rc,
-                "); NVSHMEM_DEBUG=WARN says why");
-    g_registered = true;
-  }
   if (!g_registered) {
-    NVRAR_CHECK(uid.size() == sizeof(nvshmemx_uniqueid_t), "unique id of ", uid.size(), " bytes, expected ",
-                sizeof(nvshmemx_uniqueid_t));
-    nvshmemx_uniqueid_t id;
-    std::memcpy(&id, uid.data(), sizeof(id));
+    // Initialized already (nvshmem4py, by the user or by nvrar/_gpu.py, or another library): the
+    // call below only registers this module's device state and takes one reference; no unique id.
+    // Else nvrar initializes it with the unique id (collective: the bootstrap), without g_mu.
+    const bool joined = status >= NVSHMEM_STATUS_IS_INITIALIZED;
+    nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-    NVRAR_CHECK(nvshmemx_set_attr_uniqueid_args(cfg.rank, cfg.world, &id, &attr) == 0,
-                "nvshmemx_set_attr_uniqueid_args failed");
+    if (!joined) {
+      NVRAR_CHECK(uid.size() == sizeof(nvshmemx_uniqueid_t), "unique id of ", uid.size(), " bytes, expected ",
+                  sizeof(nvshmemx_uniqueid_t));
+      std::memcpy(&id, uid.data(), sizeof(id));
+      NVRAR_CHECK(nvshmemx_set_attr_uniqueid_args(cfg.rank, cfg.world, &id, &attr) == 0,
+                  "nvshmemx_set_attr_uniqueid_args failed");
+    }
+    g_initializing = true;
+    lock.unlock();
     // nvshmemi_init_thread is what the inline nvshmemx_init_attr calls, minus its exit(-1) on a
     // failure: a failed initialization becomes an exception, not the end of the process.
     // (Non-ABI entry point, present from 3.4 to 3.8; the version check above pins the major.)
     int provided = 0;
     nvshmemi_version_t ver = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
                               NVSHMEM_VENDOR_PATCH_VERSION};
-    const int rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, ver);
-    NVRAR_CHECK(rc == 0, "NVSHMEM initialization failed (code ", rc, "); NVSHMEM_DEBUG=WARN says why");
+    const int rc = joined ? nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, 0, nullptr, ver)
+                          : nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID,
+                                                 &attr, ver);
+    lock.lock();
+    g_initializing = false;
+    g_init_cv.notify_all();
+    NVRAR_CHECK(rc == 0, joined ? "registering with the NVSHMEM initialized in this process failed (code "
+                                : "NVSHMEM initialization failed (code ",
+                rc, "); NVSHMEM_DEBUG=WARN says why");
     NVRAR_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, "NVSHMEM did not finish initializing");
     g_registered = true;
   }
-  // Joined an NVSHMEM someone else initialized (nvshmem4py, another library)? Then its PE
-  // numbering is the one in force: it must be ours.
-  NVRAR_CHECK(nvshmem_my_pe() == cfg.rank && nvshmem_n_pes() == cfg.world, "NVSHMEM runs as PE ", nvshmem_my_pe(),
-              " of ", nvshmem_n_pes(), " but this communicator is rank ", cfg.rank, " of ", cfg.world,
-              "; create the communicator over the same ranks in the same order");
-  ++g_users;
 }
+
+// NOTE [set-up verdict]: a PE whose set-up step fails after NVSHMEM is initialized must not leave
+// its peers in a collective (nvshmem_malloc, nvshmem_barrier_all wait for every PE, with no
+// deadline). So every PE makes every collective call of the set-up whatever failed on it, skips
+// only its local steps after a failure, and then all agree (one nvshmem_int_max_reduce over a
+// slot per PE): each PE raises if any failed, naming the first failed rank and its step. A
+// failure before the bootstrap (configuration, device, NVSHMEM version) is raised at once: the
+// Python set-up exchanges those verdicts over its store before any rank initializes
+// (nvrar/_setup.py setup_gpu).
+namespace {
+
+struct SetupSteps {
+  int failed = 0;  // 1 + the index of the first step that failed (0: none)
+  int index = 0;
+  std::string what;
+  template <typename F>
+  void run(const char* name, F&& f) {
+    ++index;
+    if (failed != 0) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      failed = index;
+      what = std::string(name) + ": " + e.what();
+    }
+  }
+};
+
+}  // namespace
 
 GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(new Impl) {
   Impl& I = *impl_;
@@ -275,34 +327,116 @@ GpuExecutor::GpuExecutor(const GpuConfig& cfg, const std::string& uid) : impl_(n
   I.layout = I.geo.layout;
   I.init_nvshmem(uid);
 
-  I.segment = static_cast<char*>(nvshmem_malloc(I.layout.total_bytes));  // collective
-  NVRAR_CHECK(I.segment != nullptr, "nvshmem_malloc of ", I.layout.total_bytes,
-              " bytes failed; raise NVSHMEM_SYMMETRIC_SIZE");
-  NVRAR_CUDA_CHECK(cudaMemset(I.segment, 0, I.layout.pool_off));
-  I.limits = call_limits(I.geo, I.segment);
-  std::vector<char*> peers(static_cast<size_t>(cfg.ranks_per_node));
-  for (int h = 0; h < cfg.ranks_per_node; ++h) {
-    const int pe = I.where.rank_of(I.where.node, h);
-    peers[static_cast<size_t>(h)] = static_cast<char*>(nvshmem_ptr(I.segment, pe));
-    NVRAR_CHECK(peers[static_cast<size_t>(h)] != nullptr, "rank ", cfg.rank, " cannot load/store rank ", pe,
-                "'s memory (no NVLink or PCIe peer access); ranks of one node must be peer-accessible, or use "
-                "ranks_per_node=1 so that every exchange goes through NVSHMEM");
+  // From here every PE makes the same collective calls (NOTE [set-up verdict]).
+  SetupSteps st;
+  int my_pe = -1, n_pes = 0;
+  st.run("NVSHMEM's PE numbering", [&] {
+    my_pe = nvshmem_my_pe();
+    n_pes = nvshmem_n_pes();
+    NVRAR_CHECK(my_pe == cfg.rank && n_pes == cfg.world, "NVSHMEM runs as PE ", my_pe, " of ", n_pes,
+                " but this communicator is rank ", cfg.rank, " of ", cfg.world,
+                "; create the communicator over the same ranks in the same order");
+  });
+  if (n_pes <= 0) {
+    my_pe = nvshmem_my_pe();
+    n_pes = nvshmem_n_pes();
   }
-  NVRAR_CUDA_CHECK(cudaMalloc(&I.peers_dev, peers.size() * sizeof(char*)));
-  NVRAR_CUDA_CHECK(cudaMemcpy(I.peers_dev, peers.data(), peers.size() * sizeof(char*), cudaMemcpyHostToDevice));
-  NVRAR_CUDA_CHECK(cudaMalloc(&I.state, sizeof(DeviceState)));
-  NVRAR_CUDA_CHECK(cudaMemset(I.state, 0, sizeof(DeviceState)));
-  NVRAR_CUDA_CHECK(cudaHostAlloc(&I.err_host, sizeof(ErrorRecord), cudaHostAllocMapped));
-  std::memset(I.err_host, 0, sizeof(ErrorRecord));
-  NVRAR_CUDA_CHECK(cudaHostGetDevicePointer(&I.err_dev, I.err_host, 0));
-  // Threads per block: what every instance of the kernel can launch with here (registers).
-  const int limit = max_threads_per_block();
-  NVRAR_CHECK(limit >= 32, "cannot query the all-reduce kernel's launch limits on this device");
-  I.cfg.threads = std::min(I.cfg.threads, std::min(limit, kMaxThreads)) / 32 * 32;
-  NVRAR_CUDA_CHECK(cudaEventCreateWithFlags(&I.last_launch, cudaEventDisableTiming));
-  NVRAR_CUDA_CHECK(cudaEventCreateWithFlags(&I.last_replay, cudaEventDisableTiming));
-  NVRAR_CUDA_CHECK(cudaDeviceSynchronize());
-  nvshmem_barrier_all();  // every segment is zeroed before anyone signals into it
+  I.verdict = static_cast<int*>(nvshmem_malloc(2 * static_cast<size_t>(n_pes) * sizeof(int)));  // collective
+  I.segment = static_cast<char*>(nvshmem_malloc(I.layout.total_bytes));                           // collective
+  st.run("nvshmem_malloc", [&] {
+    NVRAR_CHECK(I.segment != nullptr && I.verdict != nullptr, "nvshmem_malloc of ", I.layout.total_bytes,
+                " bytes failed; raise NVSHMEM_SYMMETRIC_SIZE");
+  });
+  st.run("zeroing the segment", [&] {
+    NVRAR_CUDA_CHECK(cudaMemset(I.segment, 0, I.layout.pool_off));
+    I.limits = call_limits(I.geo, I.segment);
+  });
+  st.run("the peer table", [&] {
+    std::vector<char*> peers(static_cast<size_t>(cfg.ranks_per_node));
+    for (int h = 0; h < cfg.ranks_per_node; ++h) {
+      const int pe = I.where.rank_of(I.where.node, h);
+      peers[static_cast<size_t>(h)] = static_cast<char*>(nvshmem_ptr(I.segment, pe));
+      NVRAR_CHECK(peers[static_cast<size_t>(h)] != nullptr, "rank ", cfg.rank, " cannot load/store rank ", pe,
+                  "'s memory (no NVLink or PCIe peer access); ranks of one node must be peer-accessible, or use "
+                  "ranks_per_node=1 so that every exchange goes through NVSHMEM");
+    }
+    NVRAR_CUDA_CHECK(cudaMalloc(&I.peers_dev, peers.size() * sizeof(char*)));
+    NVRAR_CUDA_CHECK(cudaMemcpy(I.peers_dev, peers.data(), peers.size() * sizeof(char*), cudaMemcpyHostToDevice));
+  });
+  st.run("the device state", [&] {
+    NVRAR_CUDA_CHECK(cudaMalloc(&I.state, sizeof(DeviceState)));
+    NVRAR_CUDA_CHECK(cudaMemset(I.state, 0, sizeof(DeviceState)));
+  });
+  st.run("the error record", [&] {
+    NVRAR_CUDA_CHECK(cudaHostAlloc(&I.err_host, sizeof(ErrorRecord), cudaHostAllocMapped));
+    std::memset(I.err_host, 0, sizeof(ErrorRecord));
+    NVRAR_CUDA_CHECK(cudaHostGetDevicePointer(&I.err_dev, I.err_host, 0));
+  });
+  st.run("the kernels' launch limits", [&] {
+    // Threads per block: what every instance of the kernel can launch with here (registers).
+    const int limit = max_threads_per_block();
+    NVRAR_CHECK(limit >= 32, "cannot query the all-reduce kernel's launch limits on this device");
+    I.cfg.threads = std::min(I.cfg.threads, std::min(limit, kMaxThreads)) / 32 * 32;
+    // The fused kernel's too, here and not at its first call: the query loads the kernel's module
+    // (lazy loading), which a CUDA-graph capture in progress forbids. 0: no fused instance in this
+    // module (NVRAR_CUDA_UNITS=smoke) or no answer; a fused call then raises.
+    const int fused = max_threads_fused();
+    I.fused_threads = fused >= 32 ? std::min(I.cfg.threads, std::min(fused, kMaxThreads)) / 32 * 32 : 0;
+  });
+  st.run("the ordering events", [&] {
+    NVRAR_CUDA_CHECK(cudaEventCreateWithFlags(&I.last_launch, cudaEventDisableTiming));
+    NVRAR_CUDA_CHECK(cudaEventCreateWithFlags(&I.last_replay, cudaEventDisableTiming));
+  });
+  st.run("cudaDeviceSynchronize", [&] { NVRAR_CUDA_CHECK(cudaDeviceSynchronize()); });
+  nvshmem_barrier_all();  // collective: every segment is zeroed before anyone signals into it
+  I.agree(st.failed, st.what, my_pe, n_pes);  // collective; raises on every PE if one failed
+  std::lock_guard<std::mutex> lock(g_mu);
+  ++g_users;
+}
+
+void GpuExecutor::Impl::agree(int failed, const std::string& what, int my_pe, int n_pes) {
+  // Slot p holds PE p's verdict: (rank + 1) << 8 | (failed step); the max over PEs of each slot is
+  // its owner's value.
+  const size_t n = static_cast<size_t>(n_pes);
+  std::vector<int> slots(n, 0);
+  const int code = failed == 0 ? 0 : ((cfg.rank + 1) << 8) | std::min(failed, 255);
+  if (my_pe >= 0 && static_cast<size_t>(my_pe) < n) slots[static_cast<size_t>(my_pe)] = code;
+  bool exchanged = false;
+  if (verdict != nullptr) {
+    exchanged = cudaMemcpy(verdict, slots.data(), n * sizeof(int), cudaMemcpyHostToDevice) == cudaSuccess;
+    const int rc = nvshmem_int_max_reduce(NVSHMEM_TEAM_WORLD, verdict + n, verdict, n);  // collective
+    exchanged = exchanged && rc == 0 &&
+                cudaMemcpy(slots.data(), verdict + n, n * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+  }
+  int first = 0;
+  for (int v : slots)
+    if (v != 0) {
+      first = v;
+      break;
+    }
+  if (failed == 0 && exchanged && first == 0) return;
+  release_local();
+  if (failed != 0)
+    NVRAR_CHECK(false, "GPU executor set-up failed on rank ", cfg.rank, " (", what, "); every rank raises");
+  NVRAR_CHECK(exchanged, "GPU executor set-up: the ranks' verdicts could not be exchanged (NVSHMEM reduce)");
+  NVRAR_CHECK(false, "GPU executor set-up failed on rank ", (first >> 8) - 1, " (step ", first & 255,
+              " of the set-up; that rank's error says why); every rank raises");
+}
+
+// Frees what this PE allocated for itself (not the symmetric memory: freeing it is collective, and
+// after a failed set-up it stays to the end of the process).
+void GpuExecutor::Impl::release_local() {
+  cudaDeviceSynchronize();
+  if (peers_dev != nullptr) cudaFree(peers_dev);
+  if (state != nullptr) cudaFree(state);
+  if (err_host != nullptr) cudaFreeHost(err_host);
+  if (last_launch != nullptr) cudaEventDestroy(last_launch);
+  if (last_replay != nullptr) cudaEventDestroy(last_replay);
+  peers_dev = nullptr;
+  state = nullptr;
+  err_host = nullptr;
+  err_dev = nullptr;
+  last_launch = last_replay = nullptr;
 }
 
 // Not collective: a destructor (garbage collection, interpreter exit) must not wait for peers in
@@ -323,17 +457,18 @@ void GpuExecutor::close() {
   I.closed = true;
   cudaDeviceSynchronize();
   if (I.segment != nullptr) nvshmem_free(I.segment);  // collective
-  if (I.peers_dev != nullptr) cudaFree(I.peers_dev);
-  if (I.state != nullptr) cudaFree(I.state);
-  if (I.err_host != nullptr) cudaFreeHost(I.err_host);
-  if (I.last_launch != nullptr) cudaEventDestroy(I.last_launch);
-  if (I.last_replay != nullptr) cudaEventDestroy(I.last_replay);
+  if (I.verdict != nullptr) nvshmem_free(I.verdict);  // collective
+  I.release_local();
   I.segment = nullptr;
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (--g_users == 0 && g_registered) {
-    nvshmem_finalize();  // ours: reference-counted by NVSHMEM when someone else initialized it
-    g_registered = false;
+  I.verdict = nullptr;
+  bool finalize = false;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    finalize = --g_users == 0 && g_registered;
+    if (finalize) g_registered = false;
   }
+  // Ours: reference-counted by NVSHMEM when someone else initialized it. Collective, so outside g_mu.
+  if (finalize) nvshmem_finalize();
 }
 
 const GpuConfig& GpuExecutor::config() const { return impl_->cfg; }
@@ -405,7 +540,14 @@ void GpuExecutor::check(uintptr_t stream) {
 template <typename Launch>
 void GpuExecutor::Impl::enqueue(cudaStream_t s, const char* what, const Launch& launch) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  NVRAR_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+  const cudaError_t q = cudaStreamIsCapturing(s, &capturing);
+  if (q == cudaErrorStreamCaptureImplicit) {
+    cudaGetLastError();
+    NVRAR_CHECK(false, what, ": called on the legacy default stream while a graph capture in global mode is in "
+                "progress in this process (another thread's); pass the stream to use (e.g. "
+                "torch.cuda.current_stream()), or capture in thread-local or relaxed mode");
+  }
+  NVRAR_CUDA_CHECK(q);
   const bool eager = capturing == cudaStreamCaptureStatusNone;
   NVRAR_CHECK(eager || capturing == cudaStreamCaptureStatusActive, what,
               ": the stream's graph capture was invalidated (an earlier operation on it failed)");
@@ -463,11 +605,8 @@ void GpuExecutor::all_reduce_add_rms_norm(uintptr_t x, uintptr_t residual, uintp
               dtype_name(dtype), " is not supported (float32, float16, bfloat16)");
   if (rows == 0) return;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (I.fused_threads == 0) {
-    const int limit = max_threads_fused();
-    NVRAR_CHECK(limit >= 32, what, ": cannot query the fused kernel's launch limits on this device");
-    I.fused_threads = std::min(I.cfg.threads, std::min(limit, kMaxThreads)) / 32 * 32;
-  }
+  NVRAR_CHECK(I.fused_threads >= 32, what, ": no fused kernel in this module (NVRAR_CUDA_UNITS=smoke), or its "
+              "launch limits could not be queried on this device");
   // The algorithm, the chunking and the parameters: launch_params.h (its checks name the call).
   const FusedParams fp = fused_params(I.geo, I.handles(), x, residual, weight, rows, h, dtype, eps, requested);
   const int threads = I.fused_threads;
