@@ -5,6 +5,8 @@
 #   scripts/emulate.sh [--tsan] [--quick] [--waves] [--consistency] [--seed N] [--only SUBSTRING]...
 #   scripts/emulate.sh --mutations [--seed N]
 #   scripts/emulate.sh --coverage [--quick] [--seed N]
+#   scripts/emulate.sh --host [--quick] [--tsan] [--seed N] [--only SUBSTRING]...
+#   scripts/emulate.sh --host --coverage [--quick] [--seed N]
 #   scripts/emulate.sh --ledger LAYOUT SIZE [--algorithm auto|one-shot|two-shot] [--dtype bfloat16|float32]
 #                      [--threads N] [--seed N] [--channels C] [--ll-max-bytes SIZE]
 #
@@ -24,6 +26,13 @@
 #              catches it; one line per mutation, exit 0 only if every one is caught
 # --coverage   builds with gcov instrumentation, runs the suite and prints the line coverage of
 #              device.cuh, allreduce_kernel.cuh and fused_kernel.cuh (the lines not run, listed)
+# --host       the host half (docs/gpu/emulation.md, "Host half"): csrc/cuda/runtime.cu, allreduce.cu,
+#              fused.cu and the 15 instance units, unmodified, compiled by the host compiler against
+#              the emulated CUDA runtime and NVSHMEM host API (csrc/emu/host, host_emu.cpp), driven
+#              through gpu::GpuExecutor by csrc/emu/host_driver.cpp; last line
+#                emulated host: N cases passed, M failed (tsan: on|off)
+#              with --coverage: built with gcov, prints the line coverage of runtime.cu and the
+#              launch units (the lines not run, listed) and exits non-zero if a case failed
 # --ledger     the wire ledger of ONE call (docs/gpu/emulation.md, "Wire ledger"): LAYOUT is NxG
 #              (2x4), SIZE in bytes as nvrar writes sizes (128K, 2M); the call is planned with
 #              nvrar.settings' GPU defaults (GPU_LAUNCH, one-shot and LL thresholds, max_bytes),
@@ -38,7 +47,7 @@
 # (build folder, default build/emu).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-tsan=0 quick=0 waves=0 consistency=0 mutations=0 coverage=0 seed="" only=() ledger=() ledger_opts=()
+tsan=0 quick=0 waves=0 consistency=0 mutations=0 coverage=0 host=0 seed="" only=() ledger=() ledger_opts=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tsan) tsan=1 ;;
@@ -47,11 +56,12 @@ while [ $# -gt 0 ]; do
     --consistency) consistency=1 ;;
     --mutations) mutations=1 ;;
     --coverage) coverage=1 ;;
+    --host) host=1 ;;
     --seed) seed=${2:?--seed needs a number}; shift ;;
     --only) only+=(--only "${2:?--only needs a substring}"); shift ;;
     --ledger) ledger=("${2:?--ledger needs LAYOUT SIZE}" "${3:?--ledger needs LAYOUT SIZE}"); shift 2 ;;
     --algorithm|--dtype|--threads|--channels|--ll-max-bytes) ledger_opts+=("$1" "${2:?$1 needs a value}"); shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
     *) echo "emulate.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -103,6 +113,29 @@ export -f compile
 tsan_env() {
   # ThreadSanitizer: every report is counted by the driver (it fails the case), none halts the run.
   export TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 history_size=4 ${TSAN_OPTIONS:-}"
+}
+
+# build_host DIR FLAGS...: the host half's driver in DIR/emulate_host_driver.
+build_host() {
+  local dir=$1; shift
+  mkdir -p "$dir"
+  local inc=$root/csrc cmds=()
+  for t in float f16 bf16 int32_t; do
+    for op in OpSum OpMax OpMin; do
+      cmds+=("$dir/ai_${t}_${op}.o|$inc/cuda/allreduce_inst.cu|-x c++ -DNVRAR_INST_T=$t -DNVRAR_INST_OP=$op")
+    done
+  done
+  for t in float f16 bf16; do cmds+=("$dir/fi_$t.o|$inc/cuda/fused_inst.cu|-x c++ -DNVRAR_INST_T=$t"); done
+  cmds+=("$dir/runtime.o|$inc/cuda/runtime.cu|-x c++"
+         "$dir/allreduce.o|$inc/cuda/allreduce.cu|-x c++" "$dir/fused.o|$inc/cuda/fused.cu|-x c++"
+         "$dir/emu.o|$inc/emu/emu.cpp|" "$dir/host_emu.o|$inc/emu/host_emu.cpp|"
+         "$dir/host_driver.o|$inc/emu/host_driver.cpp|")
+  printf '%s\n' "${cmds[@]}" | NVRAR_EMU_FLAGS="$* -DNVRAR_EMU_HOST -I$inc/emu/host" NVRAR_EMU_INC="$inc" xargs -P "$jobs" -I{} bash -c '
+    IFS="|" read -r out src defs <<<"$1"
+    # shellcheck disable=SC2086
+    compile "$out" "$src" "$NVRAR_EMU_INC" $NVRAR_EMU_FLAGS $defs' _ {} ||
+    return 1
+  "$cxx" -pthread "$@" "$dir"/*.o -o "$dir/emulate_host_driver"
 }
 
 if [ "$mutations" = 1 ]; then
@@ -228,6 +261,57 @@ PY
   echo "mutations: $caught of $total caught"
   [ "$caught" = "$total" ]
   exit $?
+fi
+
+if [ "$host" = 1 ]; then
+  args=(--seed "$seed" "${only[@]}")
+  [ "$quick" = 1 ] && args+=(--quick)
+  if [ "$coverage" = 1 ]; then
+    dir="$build/host-coverage"
+    rm -f "$dir"/*.gcda
+    build_host "$dir" -O0 --coverage
+    set +e
+    "$dir/emulate_host_driver" "${args[@]}" >"$dir/run.log" 2>&1
+    rc=$?
+    set -e
+    grep -E '^(FAIL|emulated host)' "$dir/run.log" || tail -5 "$dir/run.log"
+    (cd "$dir" && for o in runtime allreduce fused ai_*_OpSum fi_float; do gcov -t -p "$o.gcno" 2>/dev/null; done) | python3 -c '
+import re, sys
+files = ("cuda/runtime.cu", "cuda/allreduce.cu", "cuda/fused.cu", "cuda/allreduce_inst.cu", "cuda/fused_inst.cu")
+cur, seen = None, {}
+for line in sys.stdin:
+    m = re.match(r"\s*-:\s*0:Source:(.*)$", line)
+    if m:
+        cur = next((f for f in files if m.group(1).endswith(f)), None)
+        continue
+    m = re.match(r"\s*([^:]+):\s*(\d+):(.*)$", line)
+    if not m or cur is None:
+        continue
+    count, no, text = m.group(1).strip(), int(m.group(2)), m.group(3)
+    if count == "-" or no == 0:
+        continue
+    ran = count not in ("#####", "=====")
+    key = (cur, no)
+    seen[key] = (seen.get(key, (False, text))[0] or ran, text)
+for f in files:
+    lines = sorted((no, v) for (g, no), v in seen.items() if g == f)
+    run = sum(1 for _, (r, _) in lines if r)
+    print(f"coverage {f}: {run} of {len(lines)} lines ({100.0 * run / max(1, len(lines)):.1f}%)")
+    for no, (r, text) in lines:
+        if not r:
+            print(f"  not run: {f}:{no}: {text.strip()}")
+'
+    exit $rc
+  fi
+  if [ "$tsan" = 1 ]; then
+    dir="$build/host-tsan"
+    build_host "$dir" "${tsan_flags[@]}"
+    tsan_env
+  else
+    dir="$build/host-plain"
+    build_host "$dir" "${plain_flags[@]}"
+  fi
+  exec "$dir/emulate_host_driver" "${args[@]}"
 fi
 
 if [ "$coverage" = 1 ]; then
