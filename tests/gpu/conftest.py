@@ -3,6 +3,7 @@ is skipped, with the reason (an error instead where NVRAR_GPU_REQUIRED=1, as scr
 sets it)."""
 
 import os
+import signal
 
 import pytest
 
@@ -22,6 +23,18 @@ def _why_not() -> str:
     if not torch.cuda.is_available():
         return "torch sees no CUDA device (a CPU-only torch?)"
     return ""
+
+
+def _stopped(signum, frame):
+    raise KeyboardInterrupt("SIGTERM: scripts/gpu_check.sh stopped the step at its deadline")
+
+
+def pytest_configure(config):
+    # scripts/gpu_check.sh stops a step past its deadline with SIGTERM to its process group: pytest
+    # then ends as on Ctrl-C (the test it was in named, its summary printed) instead of dying
+    # silently, and the launcher writes every rank's output, Python stacks included, to the log.
+    if os.environ.get("NVRAR_GPU_REQUIRED") == "1":
+        signal.signal(signal.SIGTERM, _stopped)
 
 
 def pytest_collection_modifyitems(config, items):
