@@ -122,6 +122,12 @@ class BuildExt(pybind_build_ext):
             with open(BUILD_LOG, "a") as log:
                 log.write(f"linked {self.get_ext_fullpath(ext.name)} (NVRAR_CUDA_UNITS={CUDA_UNITS})\n")
 
+    def copy_extensions_to_source(self):
+        # "rest" links nothing, so --inplace has nothing to copy; it must not copy an earlier link
+        # (a "smoke" module) over the one in place either, which the smoke step's ranks have loaded.
+        if CUDA_UNITS != "rest":
+            super().copy_extensions_to_source()
+
     def _run(self, cmd, name=None):
         """Run one CUDA build step; the command, its output and its time also go to
         build/nvrar-cuda-build.log (pip hides a build's output; CI prints this file), with a line

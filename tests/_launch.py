@@ -71,12 +71,16 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
         deadline = time.monotonic() + timeout
         outputs: Dict[int, Tuple[str, str]] = {}
         late: List[int] = []
-        for r, _report, p in procs:
-            try:
-                outputs[r] = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                late.append(r)
-                break
+        try:
+            for r, _report, p in procs:
+                try:
+                    outputs[r] = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    late.append(r)
+                    break
+        except BaseException as exc:  # pytest-timeout, a SIGTERM of the whole step (tests/gpu/conftest.py)
+            _interrupted(procs, outputs, exc)
+            raise
         if late:
             # Past the deadline: SIGTERM to every rank still running at once (_worker.py has
             # faulthandler print every thread's Python stack on it), SIGKILL after the grace period.
@@ -114,10 +118,49 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _interrupted(procs: List[Tuple[int, str, subprocess.Popen]], outputs: Dict[int, Tuple[str, str]],
+                 exc: BaseException) -> None:
+    """The launcher itself interrupted while ranks run (pytest-timeout, or the step's deadline):
+    SIGTERM to every rank still running (each prints its Python stacks), at most KILL_GRACE_S for
+    them to end, and every rank's output written straight to file descriptor 2 (the log of
+    scripts/gpu_check.sh, which runs pytest with --capture=sys: it survives the test's end)."""
+    for _r, _report, p in procs:
+        if p.poll() is None:
+            p.terminate()
+    grace_end = time.monotonic() + KILL_GRACE_S
+    results = []
+    for r, _report, p in procs:
+        if r in outputs:
+            out, err = outputs[r]
+        else:
+            try:
+                out, err = p.communicate(timeout=max(0.1, grace_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+        results.append(RankResult(r, p.returncode, out or "", err or "", None))
+    text = (f"\n[launch] interrupted ({type(exc).__name__}: {str(exc)[:200]}) while {len(procs)} ranks ran: "
+            f"stopped (SIGTERM); their output:\n{describe(results)}\n")
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass
+
+
+def progress_lines(stderr: str, keep: int = 40) -> List[str]:
+    """The progress lines of a GPU task (tests/_gpu_tasks.py: "[rank R +T s] ..."), the last `keep`."""
+    return [line for line in stderr.splitlines() if line.startswith("[rank ")][-keep:]
+
+
 def describe(results: List[RankResult]) -> str:
+    """Every rank's return code, progress lines (so that a long NVSHMEM_DEBUG output does not hide
+    where a rank was), and the tails of its stdout and stderr (its Python stacks, if stopped)."""
     parts = []
     for res in results:
-        parts.append(f"--- rank {res.rank} rc={res.returncode}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}")
+        prog = progress_lines(res.stderr)
+        parts.append(f"--- rank {res.rank} rc={res.returncode}\n"
+                     + ("progress:\n" + "\n".join(prog) + "\n" if prog else "")
+                     + f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}")
     return "\n".join(parts)
 
 

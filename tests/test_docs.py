@@ -1,5 +1,5 @@
 """The documentation matches the code: the README's Quick start has exactly two command blocks,
-docs/configuration.md documents every environment variable nvrar reads, every relative link of the
+docs/configuration.md documents every environment variable nvrar and its tests read, every relative link of the
 README and docs/ resolves, and .ci/run runs the README's test command."""
 
 import os
@@ -34,6 +34,17 @@ def build_variables():
     return found
 
 
+def test_variables():
+    """NVRAR_* variables the test suite reads (tests/, scripts/gpu_check.sh sets them), not nvrar."""
+    found = set()
+    for base, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(base, name)) as f:
+                    found |= set(re.findall(r"(?:environ\.get\(|environ\[|getenv\()\s*\"(NVRAR_[A-Z_]+)\"", f.read()))
+    return found - set(env.VARIABLES) - build_variables()
+
+
 def configuration():
     with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
         return f.read()
@@ -41,10 +52,11 @@ def configuration():
 
 def test_every_environment_variable_is_documented():
     text = configuration()
-    for name in set(env.VARIABLES) | build_variables():
-        assert f"`{name}`" in text, f"{name} is read by nvrar but not in docs/configuration.md"
+    for name in set(env.VARIABLES) | build_variables() | test_variables():
+        assert f"`{name}`" in text, f"{name} is read by nvrar or its tests but not in docs/configuration.md"
+    assert {"NVRAR_GPU_TEST_LOAD", "NVRAR_GPU_TEST_TIMEOUT", "NVRAR_GPU_LAUNCH_TIMEOUT"} <= test_variables()
     documented = set(re.findall(r"`(NVRAR_[A-Z_]+)`", text))
-    known = set(env.VARIABLES) | build_variables()
+    known = set(env.VARIABLES) | build_variables() | test_variables()
     assert documented <= known, f"docs/configuration.md documents unknown variables {documented - known}"
 
 

@@ -1,6 +1,8 @@
-"""scripts/gpu_check.sh --dry-run: everything the one-GPU check can check without a GPU (its
-environment functions, the CUDA build, collection of tests/gpu, the sweep's arguments), so that a
-broken script is caught here and in CI, before a device minute is spent on it."""
+"""scripts/gpu_check.sh --dry-run: everything the one-GPU check can check without a GPU (the order
+of its deadlines, its steps' sum, its environment functions, the build plan, the tests' order and
+NVSHMEM init modes, collection of tests/gpu, the sweep's arguments, the verdict parser), so that a
+broken script is caught here and in CI, before a device minute is spent on it; and
+scripts/gpu_verdict.py on the sample log and on a log cut off before its verdict."""
 
 import os
 import re
@@ -10,6 +12,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERDICT = os.path.join(ROOT, "scripts", "gpu_verdict.py")
+SAMPLE = os.path.join(ROOT, "tests", "data", "gpu_check-sample.log")
+
+
+def deadlines(log):
+    """The deadlines the dry run printed: [(device, launcher, grace, pytest-timeout, step), ...]."""
+    rx = (r"gpu_check (?:netpath )?deadlines: device (\d+) s < launcher (\d+) s \+ grace (\d+) s "
+          r"< pytest-timeout (\d+) s < (?:smoke|netpath) step (\d+) s")
+    return [tuple(int(x) for x in m) for m in re.findall(rx, log)]
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -30,6 +41,31 @@ def test_gpu_check_dry_run(tmp_path):
         else:
             assert step in log, log[-3000:]
     assert "build:" in log
+
+    # The deadlines of a GPU test, in order, as the check sets them: device 15 < launcher 45 (+ its
+    # kill grace) < pytest-timeout 55 < the step's; the same for the network path.
+    found = deadlines(log)
+    assert len(found) == 2, log[-3000:]
+    assert found[0][:2] == (15, 45) and found[0][3] == 55, found
+    for device, launcher, grace, pytest_timeout, step in found:
+        assert device < launcher and launcher + grace < pytest_timeout < step, found
+    plan = re.search(r"^gpu_check plan: (.*) budget=(\d+)$", log, re.M)
+    steps = dict(kv.split("=") for kv in plan.group(1).split())
+    assert list(steps)[:6] == ["setup", "wheels", "build-smoke", "info", "smoke", "build-all"], steps
+    assert sum(int(v) for v in steps.values()) == int(plan.group(2)) == int(m.group(1)), (steps, plan.group(2))
+    # the init-mode split and the order of the tests
+    split = re.search(r"^gpu_check init split: (.*)$", log, re.M).group(1)
+    assert re.search(r"test_gpu\.py: \d+ launches, NVRAR_NVSHMEM_INIT=nvrar;", split), split
+    assert re.search(r"test_gpu_smoke\.py: 2 launches, NVRAR_NVSHMEM_INIT=nvrar;", split), split
+    assert re.search(r"test_gpu_nvshmem4py\.py: \d+ launches, NVRAR_NVSHMEM_INIT=nvshmem4py$", split), split
+    order = re.search(r"^gpu_check test order: (.*) \(\d+ tests\)$", log, re.M).group(1)
+    assert [c.split("(")[0] for c in order.split()] == ["smoke", "matrix", "graph", "timeout", "fused", "cupy",
+                                                       "netpath", "nvshmem4py"], order
+    assert re.search(r"^gpu_check build plan: all 18 nvcc units, smoke 5, rest 15; left to all after smoke and rest: 0",
+                     log, re.M), log[-3000:]
+    # the dry run's own log reads as a complete verdict
+    own = subprocess.run([sys.executable, VERDICT, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert own.returncode == 0 and "dry-run verdict" in own.stdout and "steps not ok: none" in own.stdout, own.stdout
     carried = os.path.join(ROOT, ".whl")
     if os.path.isdir(carried) and any(f.endswith(".whl") for f in os.listdir(carried)):
         assert "wheels: install offline for Python 3.12" in log, log[-3000:]
@@ -67,3 +103,42 @@ def test_fetched_wheels_install_offline_and_an_incomplete_set_is_refused(tmp_pat
     bad = _wheels_check(whl)
     assert bad.returncode != 0 and "needs cuda.core>=0.5.0: neither carried nor on the GPU machine" in bad.stdout, \
         bad.stdout[-3000:]
+
+
+def _verdict(path, *args):
+    return subprocess.run([sys.executable, VERDICT, *args, str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_verdict_of_the_sample_and_of_a_cut_off_log(tmp_path):
+    """gpu_verdict.py reads every step, unit and note of the sample; a log cut off before its
+    verdict is read from its step ends, said incomplete (exit 1), its unfinished steps "not
+    reached"; a file that is no gpu_check log is refused (exit 2)."""
+    import json
+
+    full = _verdict(SAMPLE, "--json")
+    assert full.returncode == 0, full.stdout + full.stderr
+    v = json.loads(full.stdout)
+    assert v["complete"] and not v["dry_run"] and v["final"] == {"status": 1, "elapsed": 302, "budget": 530}
+    status = {s["name"]: (s["status"], s["elapsed"], s["deadline"]) for s in v["steps"]}
+    assert status["smoke"] == ("ok", 24, 80) and status["tests"] == ("timeout", 163, 160), status
+    assert status["netpath"][0] == "skipped" and status["build-rest"] == ("ok", 70, 205), status
+    assert sum(v["plan"].values()) == v["budget"] == 530
+    units = {(u["name"], u["set"]): u["seconds"] for u in v["units"]}
+    assert units[("allreduce_float_OpSum.cu.o", "smoke")] == 36.9 and len(units) == 9, units
+    text = _verdict(SAMPLE).stdout
+    assert "nvcc units: 7 (smoke 5, rest 2); slowest allreduce_int32_t_OpMin.cu.o 41.5 s (rest)" in text, text
+    assert "steps not ok: tests, sweep" in text, text
+
+    with open(SAMPLE) as f:
+        lines = f.read().splitlines()
+    cut = tmp_path / "gpu_check.log"
+    cut.write_text("\n".join(lines[:lines.index("step-end: smoke ok rc=0 elapsed=24 deadline=80") + 1]) + "\n")
+    part = _verdict(tmp_path, "--json")
+    assert part.returncode == 1, part.stdout + part.stderr
+    p = json.loads(part.stdout)
+    got = {s["name"]: s["status"] for s in p["steps"]}
+    assert not p["complete"] and got["smoke"] == "ok" and got["tests"] == got["mps-stop"] == "not reached", got
+
+    other = tmp_path / "other.log"
+    other.write_text("nothing of gpu_check here\n")
+    assert _verdict(other).returncode == 2

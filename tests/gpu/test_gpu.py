@@ -5,9 +5,10 @@ multi-process-per-GPU mode): the environment below is the one that mode needs. N
 initialized by nvrar itself here (NVRAR_NVSHMEM_INIT=nvrar): test_gpu_nvshmem4py.py alone goes
 through nvshmem4py, so that a fault of the nvshmem4py stack fails those tests only.
 
-Ordered by what they tell (scripts/gpu_check.sh runs test_gpu_smoke.py before, with --maxfail=1):
-the timeout path first (it proves that a hang is reported with its phase, step and peer, which
-locates any later failure), then the matrix, put-with-signal only, graphs, the fused kernel, cupy."""
+Ordered by what they tell (scripts/gpu_check.sh runs test_gpu_smoke.py before, with --maxfail=1,
+and test_gpu_nvshmem4py.py after): the core matrix (every layout, then put-with-signal only),
+CUDA graphs, the timeout path (a hang reported with its phase, step and peer), the fused kernel,
+cupy; the network-path test runs in its own step."""
 
 import os
 
@@ -39,17 +40,6 @@ def env(init="nvrar"):
     return e
 
 
-def test_timeout_raises_at_check():
-    timeout = 5
-    res = launch(3, "gpu_timeout", {"G": 1, "timeout": timeout}, env=env(), timeout=min(120, LAUNCH_TIMEOUT))
-    reports = [r.report for r in res[:2]]
-    for rep in reports:
-        assert rep is not None and rep["raised"] is not None, rep
-        assert rep["is_timeout"], rep
-        assert rep["elapsed"] < timeout + 10, rep
-        assert rep["phase"] in ("reduce-scatter", "inter-node", "all-gather", "one-shot-reduce"), rep
-
-
 LAYOUTS = [(2, 1), (4, 2), (2, 2), (3, 1)]
 
 
@@ -73,6 +63,17 @@ def test_gpu_matrix_put_with_signal_only():
 def test_cuda_graph_1000_replays():
     reports = assert_all_ok(launch(2, "gpu_graph", {"G": 1, "replays": 1000}, env=env(), timeout=LAUNCH_TIMEOUT))
     assert all(r["wrong_replays"] == 0 and r["replays"] >= 30 for r in reports), reports
+
+
+def test_timeout_raises_at_check():
+    timeout = 5
+    res = launch(3, "gpu_timeout", {"G": 1, "timeout": timeout}, env=env(), timeout=min(120, LAUNCH_TIMEOUT))
+    reports = [r.report for r in res[:2]]
+    for rep in reports:
+        assert rep is not None and rep["raised"] is not None, rep
+        assert rep["is_timeout"], rep
+        assert rep["elapsed"] < timeout + 10, rep
+        assert rep["phase"] in ("reduce-scatter", "inter-node", "all-gather", "one-shot-reduce"), rep
 
 
 FUSED_LAYOUTS = [(2, 2), (4, 2)]
