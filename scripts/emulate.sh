@@ -275,7 +275,7 @@ if [ "$host" = 1 ]; then
     rc=$?
     set -e
     grep -E '^(FAIL|emulated host)' "$dir/run.log" || tail -5 "$dir/run.log"
-    (cd "$dir" && for o in runtime allreduce fused ai_*_OpSum fi_float; do gcov -t -p "$o.gcno" 2>/dev/null; done) | python3 -c '
+    (cd "$dir" && for o in runtime.o allreduce.o fused.o ai_*.o fi_*.o; do gcov -t -p "$o.gcno" 2>/dev/null; done) | python3 -c '
 import re, sys
 files = ("cuda/runtime.cu", "cuda/allreduce.cu", "cuda/fused.cu", "cuda/allreduce_inst.cu", "cuda/fused_inst.cu")
 cur, seen = None, {}

@@ -409,6 +409,8 @@ void run_graph(int N, int G, int replays, uint64_t seed) {
     DevBuf<float> in1(n1), out1(n1), in2(n2), out2(n2), x(rows * h), res(rows * h), w(h);
     std::vector<float> ones(h, 1.0f);
     cuda(cudaMemcpy(w.p, ones.data(), h * sizeof(float), cudaMemcpyHostToDevice), "w");
+    // An eager call first: the capture then waits for it through an external event node.
+    ex.all_reduce(in1.addr(), out1.addr(), n1, DType::kFloat32, RedOp::kSum, Algorithm::kOneShot, reinterpret_cast<uintptr_t>(e));
     cudaGraph_t g = nullptr;
     cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "begin capture");
     ex.all_reduce(in1.addr(), out1.addr(), n1, DType::kFloat32, RedOp::kSum, Algorithm::kOneShot, reinterpret_cast<uintptr_t>(s));
