@@ -102,7 +102,7 @@ compile() {
   local out=$1 src=$2 inc=$3; shift 3
   # NVRAR_EMU_KEEP: objects that do not include the device code, kept as they are (mutants).
   if [ -f "$out" ] && [[ " ${NVRAR_EMU_KEEP:-} " == *" $(basename "$out") "* ]]; then return 0; fi
-  if [ -f "$out" ] && [ -z "$(find "$inc" "$src" -newer "$out" \( -name '*.h' -o -name '*.cuh' -o -name '*.cpp' \) -print -quit)" ]; then
+  if [ -f "$out" ] && [ -z "$(find "$inc" "$src" -newer "$out" \( -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu' \) -print -quit)" ]; then
     return 0
   fi
   # shellcheck disable=SC2086
