@@ -447,6 +447,10 @@ void GpuExecutor::abandon() {
   Impl& I = *impl_;
   if (I.closed) return;
   I.closed = true;
+  // No kernel of this executor still in flight when the caller goes on (at interpreter exit: CUDA's
+  // and NVSHMEM's teardown). Bounded: every wait of the kernel has its deadline; on a context a
+  // trap left unusable this returns its error at once.
+  cudaDeviceSynchronize();
   std::lock_guard<std::mutex> lock(g_mu);
   --g_users;
 }

@@ -512,19 +512,19 @@ void run_setup_failure(const std::string& point, int nth, const std::string& nee
   HostBarrier bar(W);
   auto err = run_pes(m, W, [&](int r) {
     const std::string uid = share_uid(box, r);
+    std::string bad;  // checked after the barrier, so that a failed check ends no PE early
     try {
       GpuExecutor ex(config(r, W, G), uid);
-      REQUIRE(false, "the set-up did not fail");
+      bad = "the set-up did not fail";
     } catch (const nvrar::Error& e) {
       const std::string t = e.what();
-      if (r == victim) {
-        REQUIRE(t.find("failed on rank 1 (") != std::string::npos && t.find(needle) != std::string::npos,
-                "rank 1's error does not name its step (" << needle << "): " << t);
-      } else {
-        REQUIRE(t.find("failed on rank 1 ") != std::string::npos, "rank " << r << " does not name rank 1: " << t);
-      }
+      if (r == victim && (t.find("failed on rank 1 (") == std::string::npos || t.find(needle) == std::string::npos))
+        bad = "rank 1's error does not name its step (" + needle + "): " + t;
+      if (r != victim && t.find("failed on rank 1 ") == std::string::npos)
+        bad = "rank " + std::to_string(r) + " does not name rank 1: " + t;
     }
     bar.wait();
+    REQUIRE(bad.empty(), bad);
     if (point == "pe_numbering") return;  // that PE stays misnumbered
     GpuExecutor again(config(r, W, G), uid);
     call_checked<float>(again, r, W, 1200, RedOp::kSum, Algorithm::kAuto, nullptr, 9);
@@ -779,6 +779,37 @@ void run_timeout_and_replay(uint64_t seed) {
   no_hazards(m);
 }
 
+// abandon() (interpreter exit, a failed set-up elsewhere) with a call in flight whose peer never
+// comes: it returns once the kernel has ended by its deadline, leaving no work on the streams for
+// CUDA's and NVSHMEM's teardown.
+void run_abandon_in_flight(uint64_t seed) {
+  const int W = 2;
+  Machine m(machine(W, 1, seed));
+  UidBox box;
+  HostBarrier bar(W);
+  no_errors(run_pes(m, W, [&](int r) {
+    GpuConfig c = config(r, W, 1);
+    c.timeout_s = 0.5;
+    GpuExecutor ex(c, share_uid(box, r));
+    bar.wait();
+    uint64_t left = 0;
+    if (r == 0) {
+      cudaStream_t s = nullptr;
+      cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+      float* a = nullptr;
+      cuda(cudaMalloc(&a, 3000 * sizeof(float)), "cudaMalloc");
+      ex.all_reduce(reinterpret_cast<uintptr_t>(a), reinterpret_cast<uintptr_t>(a), 3000, DType::kFloat32,
+                    RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
+      ex.abandon();
+      left = nvrar::emu::host::pending();
+    }
+    bar.wait();
+    if (r == 1) ex.abandon();
+    REQUIRE(left == 0, "abandon() returned with " << left << " operation(s) in flight");
+  }));
+  no_hazards(m);
+}
+
 std::vector<Case> make_cases() {
   std::vector<Case> cs;
   cs.push_back({"lifecycle 2x2 float32 sum (nvrar init, eager, two streams, pool, close)", true,
@@ -799,6 +830,7 @@ std::vector<Case> make_cases() {
                 [](uint64_t s) { run_legacy_during_capture(s); }});
   cs.push_back({"invalidated capture", false, [](uint64_t s) { run_invalidated_capture(s); }});
   cs.push_back({"timeout, refusal, replay after the failure traps", true, [](uint64_t s) { run_timeout_and_replay(s); }});
+  cs.push_back({"abandon with a call in flight", true, [](uint64_t s) { run_abandon_in_flight(s); }});
   struct Point {
     const char* what;
     int nth;

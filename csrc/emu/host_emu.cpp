@@ -573,6 +573,17 @@ bool sticky_error() { return bound("sticky_error").sticky.load() != 0; }
 
 uint64_t launches() { return bound("launches").launches.load(); }
 
+uint64_t pending() {
+  Pe& P = bound("pending");
+  std::lock_guard<std::mutex> lock(P.mu);
+  uint64_t n = 0;
+  for (auto& s : P.streams) {
+    std::lock_guard<std::mutex> sl(s->mu);
+    n += s->issued - s->completed;
+  }
+  return n;
+}
+
 int launch(void* stream, int blocks, int threads, bool cooperative, std::function<void()> fn) {
   Pe& P = bound("a kernel launch");
   if (const int e = P.sticky.load()) return fail(P, static_cast<cudaError_t>(e));

@@ -81,6 +81,8 @@ bool sticky_error();
 int launch(void* stream, int blocks, int threads, bool cooperative, std::function<void()> fn);
 // Kernel launches that reached the emulated device on the bound PE (ran or skipped).
 uint64_t launches();
+// Work enqueued on the bound PE's streams and not finished yet.
+uint64_t pending();
 
 }  // namespace host
 }  // namespace emu
