@@ -286,6 +286,7 @@ PYBIND11_MODULE(_C, m) {
           d["zone_slice_bytes"] = L.zone_slice_bytes;
           d["zone_bytes"] = L.zone_bytes;
           d["ll_slice_bytes"] = L.ll_slice_bytes;
+          d["ll_bytes"] = L.ll_bytes;
           d["oneshot_chunk_bytes"] = L.oneshot_chunk_bytes();
           d["total_bytes"] = L.total_bytes;
           return d;

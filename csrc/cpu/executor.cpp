@@ -631,7 +631,7 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
 
 size_t CpuExecutor::ll_desc_cell(size_t ll_off) const {
   // B = 1 on the CPU: LL zone index (p * S + slot) names the inter cell of the same step.
-  const size_t idx = (ll_off - layout_.llzones_off) / layout_.ll_slice_bytes;
+  const size_t idx = layout_.llzone_slot(ll_off);
   return layout_.cell(1 + 4 * static_cast<size_t>(where_.G) + idx);
 }
 

@@ -156,11 +156,9 @@ struct GpuTransport {
     ch_end = ((ch + 1) * B + C - 1) / C;
   }
 
-  // The channel counter of the slot whose entry of block b is `idx` (cell or zone index order of
-  // plan.h: (parity * S + slot) * B + b).
-  __device__ unsigned* chan_counter(size_t idx) const {
-    const size_t B = static_cast<size_t>(kp.cfg.L.B);
-    return reinterpret_cast<unsigned*>(kp.my + kChanCountersOff) + (idx / B) * kMaxChannels + ch;
+  // My channel's counter of the slot with index `slot` (parity * S + slot, plan.h).
+  __device__ unsigned* chan_counter(size_t slot) const {
+    return reinterpret_cast<unsigned*>(kp.my + kChanCountersOff) + slot * kMaxChannels + ch;
   }
 
   // Every thread: count my slice in on the channel counter at `counter` (my part is written);
@@ -427,7 +425,7 @@ struct GpuTransport {
     }
     // NOTE [channels]: the last block of my channel puts every part of it, b0's flag.
     const SegmentLayout& L = kp.cfg.L;
-    if (!chan_arrive(chan_counter((cell - L.inter_cell(0, 0, 0)) / L.cell_stride))) return true;
+    if (!chan_arrive(chan_counter((cell - L.inter_cell(0, 0, 0)) / L.cell_stride / static_cast<size_t>(L.B)))) return true;
     const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first);
     const size_t wire = static_cast<size_t>(ch_wire_last - ch_first) * L.zone_slice_bytes + align_up(ch_last_bytes, 8) +
                         kTrailerBytes;
@@ -481,7 +479,7 @@ struct GpuTransport {
       return true;
     }
     // NOTE [channels]: the last block of my channel puts every stream of it.
-    if (!chan_arrive(chan_counter((dst_off - L.llzones_off) / L.ll_slice_bytes))) return true;
+    if (!chan_arrive(chan_counter(L.llzone_slot(dst_off)))) return true;
     const size_t back = static_cast<size_t>(static_cast<int>(blockIdx.x) - ch_first) * L.ll_slice_bytes;
     const size_t wire = static_cast<size_t>(ch_wire_last - ch_first) * L.ll_slice_bytes +
                         (kDescPackets + ll_packets(ch_last_bytes)) * 8;

@@ -87,6 +87,8 @@ inline void fill_executor_params(KernelParams& kp, const ExecutorGeometry& g, co
 // 65,536, and the rest is the empty slices' strides, docs/gpu/emulation.md "Known gaps"). Counts that differ between ranks give different strides:
 // where they fall in different powers of two the ranks use different slots, and a mismatch may
 // end at the deadline instead of being named (docs/gpu/emulation.md, "Known gaps").
+// Only the slices move with the stride: every slot keeps the layout's bytes (NOTE [slot strides],
+// plan.h), so that calls of different strides never share a byte between the two parities.
 inline void call_strides(KernelParams& kp, const CallPlan& c, size_t count, const ExecutorGeometry& g) {
   if (g.where.N <= 1) return;
   const size_t es = c.es;

@@ -143,18 +143,19 @@ inline Place decode(const SegmentLayout& L, uint64_t off) {
     }
     return p;
   }
-  auto zoned = [&](size_t base, size_t per, Place::Kind k) {
-    if (per == 0 || off < base || off >= base + 2 * S * B * per) return false;
-    const uint64_t idx = (off - base) / per;
+  // Slots at the layout's places, slices at the call's stride (NOTE [slot strides], plan.h).
+  auto zoned = [&](size_t base, size_t slot_bytes, size_t per, Place::Kind k) {
+    if (per == 0 || off < base || off >= base + 2 * S * slot_bytes) return false;
+    const uint64_t idx = (off - base) / slot_bytes;
     p.kind = k;
-    p.b = static_cast<int>(idx % B);
-    p.slot = static_cast<int>((idx / B) % S);
-    p.parity = static_cast<int>(idx / B / S);
+    p.b = static_cast<int>((off - base) % slot_bytes / per);
+    p.slot = static_cast<int>(idx % S);
+    p.parity = static_cast<int>(idx / S);
     return true;
   };
-  if (zoned(L.zones_off, L.zone_slice_bytes, Place::kZone)) return p;
-  if (zoned(L.llzones_off, L.ll_slice_bytes, Place::kLLZone)) return p;
-  if (zoned(L.llout_off, L.ll_slice_bytes, Place::kLLOut)) return p;
+  if (zoned(L.zones_off, L.zone_bytes, L.zone_slice_bytes, Place::kZone)) return p;
+  if (zoned(L.llzones_off, L.ll_bytes, L.ll_slice_bytes, Place::kLLZone)) return p;
+  if (zoned(L.llout_off, L.ll_bytes, L.ll_slice_bytes, Place::kLLOut)) return p;
   return p;
 }
 

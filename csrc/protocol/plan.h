@@ -323,21 +323,39 @@ struct SegmentLayout {
   size_t header_bytes;     // header + error text
   size_t cells_off;
   size_t staging_bytes;    // >= max chunk bytes
-  size_t zone_slice_bytes; // one slice's part of a zone or result slot
-  size_t zone_bytes;       // B * zone_slice_bytes
+  size_t zone_slice_bytes; // one slice's part of a zone or result slot (a call's stride: see below)
+  size_t zone_bytes;       // one zone or result slot: B * zone_slice_bytes as the layout cuts it
   size_t staging_off;      // staging[p] at staging_off + p * staging_bytes (slices at their chunk offsets)
-  size_t result_off;       // result[p][b] at result_off + (p * B + b) * zone_slice_bytes
-  size_t zones_off;        // zone[p][s][b] at zones_off + ((p * S + s) * B + b) * zone_slice_bytes
+  size_t result_off;       // result[p][b] at result_off + p * zone_bytes + b * zone_slice_bytes
+  size_t zones_off;        // zone[p][s][b] at zones_off + (p * S + s) * zone_bytes + b * zone_slice_bytes
   size_t desc_room;        // bytes behind a slice's data in its zone and LL zone for the call
                            // description the GPU's inter-node messages carry (0: none, CPU)
-  size_t ll_slice_bytes;   // one slice's LL zone (packets of the largest LL shard; 0: LL off)
-  size_t llzones_off;      // llzone[p][s][b]: LL packets from the partner (protocol/ll.h)
-  size_t llout_off;        // llout[p][s][b]: my packets, packed before the put (GPU)
+  size_t ll_slice_bytes;   // one slice's LL zone (packets of the largest LL shard; 0: LL off; a call's stride)
+  size_t ll_bytes;         // one LL zone or llout slot: B * ll_slice_bytes as the layout cuts it
+  size_t llzones_off;      // llzone[p][s][b]: LL packets from the partner (protocol/ll.h), at
+                           // llzones_off + (p * S + s) * ll_bytes + b * ll_slice_bytes
+  size_t llout_off;        // llout[p][s][b]: my packets, packed before the put (GPU); as llzone
   size_t pool_off;         // user pool (Communicator.empty)
   size_t pool_bytes;
   size_t total_bytes;
 
   static constexpr size_t kPage = 4096;
+
+  // NOTE [slot strides]: a GPU call may cut its slices' parts of the result, zone and LL slots at
+  // a smaller stride than the layout's (zone_slice_bytes, ll_slice_bytes: launch_params.h,
+  // call_strides), so that a channel's parts form one contiguous message. Only the slices move:
+  // every slot (parity p, step slot s) keeps the bytes the layout gives it, [base, base +
+  // zone_bytes) or ll_bytes, whatever the call's stride. The parity argument of NOTE [epoch
+  // protocol] is about slots: a peer running one round ahead writes the other parity's slots,
+  // which must not share a byte with the slots this rank still reads in its round. Were the
+  // stride applied to the whole index ((p * S + s) * B + b), the calls of two sizes would place
+  // the same parity's slots at different bytes: a 3x1 world, a call of 1 int32 (stride 128) at
+  // an odd epoch, then a call of 1000 (stride 4160): node 2 finishes the first call once node 0's
+  // fold-out arrived and puts its fold-in of the second call into node 0's zone[0][0], bytes
+  // [0, 4048), while node 0 may still copy its result out of zone[1][1] of the first call, bytes
+  // [2048, 2052). Rounds e and e + 2 of one slot may use different strides: a writer in e + 2 is
+  // ordered after every read of round e in any byte of the slot (the per-slot arguments of NOTE
+  // [epoch protocol]; between calls, a kernel boundary orders all slices).
 
   // Elements of slice b of a chunk of n elements, in a call whose full chunks have chunk_elems:
   // the cut is that of a full chunk (16-byte aligned), clipped to n, so that a short last chunk
@@ -378,7 +396,8 @@ struct SegmentLayout {
     L.result_off = L.staging_off + 2 * L.staging_bytes;
     L.zones_off = align_up(L.result_off + 2 * L.zone_bytes, kPage);
     L.ll_slice_bytes = ll_max_bytes > 0 ? align_up(ceil_div(ll_max_bytes + desc_room, 4) * 8, 256) : 0;
-    const size_t ll_region = 2 * static_cast<size_t>(L.S) * static_cast<size_t>(B) * L.ll_slice_bytes;
+    L.ll_bytes = L.ll_slice_bytes * static_cast<size_t>(B);
+    const size_t ll_region = 2 * static_cast<size_t>(L.S) * L.ll_bytes;
     L.llzones_off = align_up(L.zones_off + 2 * static_cast<size_t>(L.S) * L.zone_bytes, kPage);
     L.llout_off = align_up(L.llzones_off + ll_region, kPage);
     L.pool_off = align_up(L.llout_off + ll_region, kPage);
@@ -403,18 +422,21 @@ struct SegmentLayout {
                      static_cast<size_t>(parity) * (S - 2) + k) * B + b);
   }
   NVRAR_HD size_t staging(int parity) const { return staging_off + static_cast<size_t>(parity) * staging_bytes; }
+  // Slots at the layout's fixed places, slices at the call's stride (NOTE [slot strides]).
   NVRAR_HD size_t result(int parity, int b = 0) const {
-    return result_off + (static_cast<size_t>(parity) * B + b) * zone_slice_bytes;
+    return result_off + static_cast<size_t>(parity) * zone_bytes + static_cast<size_t>(b) * zone_slice_bytes;
   }
   NVRAR_HD size_t zone(int parity, int slot, int b = 0) const {
-    return zones_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * zone_slice_bytes;
+    return zones_off + (static_cast<size_t>(parity) * S + slot) * zone_bytes + static_cast<size_t>(b) * zone_slice_bytes;
   }
   NVRAR_HD size_t llzone(int parity, int slot, int b = 0) const {
-    return llzones_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * ll_slice_bytes;
+    return llzones_off + (static_cast<size_t>(parity) * S + slot) * ll_bytes + static_cast<size_t>(b) * ll_slice_bytes;
   }
   NVRAR_HD size_t llout(int parity, int slot, int b = 0) const {
-    return llout_off + ((static_cast<size_t>(parity) * S + slot) * B + b) * ll_slice_bytes;
+    return llout_off + (static_cast<size_t>(parity) * S + slot) * ll_bytes + static_cast<size_t>(b) * ll_slice_bytes;
   }
+  // The slot index p * S + s of an offset inside the LL zones (as llzone gives it).
+  NVRAR_HD size_t llzone_slot(size_t off) const { return (off - llzones_off) / ll_bytes; }
   // Largest chunk (bytes) whose every slice fits a zone slice whole: the one-shot algorithm across
   // nodes sends whole slices, not shards.
   NVRAR_HD size_t oneshot_chunk_bytes() const {
