@@ -123,7 +123,7 @@ def test_emulated_device_suite_under_thread_sanitizer_in_waves_and_proxy_consist
 
 # The host half (scripts/emulate.sh --host, docs/gpu/emulation.md "Host half"): runtime.cu and the
 # launch units, unmodified, against the emulated CUDA runtime and NVSHMEM host API.
-HOST_CASES = ("lifecycle", "graph", "fused", "join an NVSHMEM", "refusals", "legacy stream", "timeout, refusal, replay",
+HOST_CASES = ("lifecycle 2x2", "lifecycle 3x1", "graph", "fused", "join an NVSHMEM", "refusals", "legacy stream", "timeout, refusal, replay",
               "set-up failure on one PE: nvshmem_malloc", "set-up failure on one PE: cudaMalloc",
               "pre-bootstrap failure")
 

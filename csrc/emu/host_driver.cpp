@@ -815,7 +815,8 @@ std::vector<Case> make_cases() {
   cs.push_back({"lifecycle 2x2 float32 sum (nvrar init, eager, two streams, pool, close)", true,
                 [](uint64_t s) { run_lifecycle<float>(2, 2, RedOp::kSum, s); }});
   cs.push_back({"lifecycle 2x1 bfloat16 max", false, [](uint64_t s) { run_lifecycle<nvrar::bf16>(2, 1, RedOp::kMax, s); }});
-  cs.push_back({"lifecycle 3x1 int32 min", false, [](uint64_t s) { run_lifecycle<int32_t>(3, 1, RedOp::kMin, s); }});
+  // In the quick set: under ThreadSanitizer it found the cross-parity overlap (NOTE [slot strides]).
+  cs.push_back({"lifecycle 3x1 int32 min", true, [](uint64_t s) { run_lifecycle<int32_t>(3, 1, RedOp::kMin, s); }});
   cs.push_back({"lifecycle 1x2 float16 sum", false, [](uint64_t s) { run_lifecycle<nvrar::f16>(1, 2, RedOp::kSum, s); }});
   cs.push_back({"world of one", true, [](uint64_t s) { run_world_one(s); }});
   cs.push_back({"fused 2x2 (float32, bfloat16, float16)", true, [](uint64_t s) { run_fused(2, 2, s); }});
