@@ -275,7 +275,7 @@ def _sglang_model_parallel(ps: Any, tp_size: int) -> None:
     from sglang.srt import runtime_context as rc
 
     widths = {"tp_size": tp_size, "pp_size": 1, "moe_ep_size": 1, "attn_dp_size": 1, "attn_cp_size": 1,
-              "moe_dp_size": 1, "attn_dcp_size": 1}
+              "moe_dp_size": 1, "attn_dcp_size": 1, "shared_experts_tp_size": None}
     fields = rc._parallel_fields()
     rc.get_parallel().override_permanently(**{k: v for k, v in widths.items() if k in fields})
     ps.initialize_model_parallel(backend="gloo")
