@@ -38,8 +38,11 @@ class RankResult:
 
 def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dict[str, str]] = None,
            timeout: float = 240.0, per_rank_args: Optional[List[dict]] = None,
-           start: Optional[List[int]] = None, per_rank_env: Optional[List[Dict[str, str]]] = None) -> List[RankResult]:
+           start: Optional[List[int]] = None, per_rank_env: Optional[List[Dict[str, str]]] = None,
+           executable: str = sys.executable) -> List[RankResult]:
     """Run `_worker.py task` on `world` ranks; returns one RankResult per rank (in rank order).
+    `executable` is the Python the ranks run under (default this one; the engine tests name
+    .venv-engines/bin/python, scripts/engines_env.sh).
 
     Each worker writes its JSON report to a file; workers still running at `timeout` get SIGTERM
     (each prints every thread's Python stack to its stderr), then SIGKILL after KILL_GRACE_S (the
@@ -65,7 +68,7 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
             if per_rank_env is not None:
                 e.update(per_rank_env[r])
             report = os.path.join(tmp, f"rank{r}.json")
-            cmd = [sys.executable, WORKER, task, json.dumps(a), report]
+            cmd = [executable, WORKER, task, json.dumps(a), report]
             procs.append((r, report, subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                       text=True)))
         deadline = time.monotonic() + timeout

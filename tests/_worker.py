@@ -448,6 +448,10 @@ def main() -> int:
         import _gpu_setup_tasks
 
         TASKS.update(_gpu_setup_tasks.TASKS)
+    elif task not in TASKS and task.startswith("engines_"):
+        import _engines_tasks
+
+        TASKS.update(_engines_tasks.TASKS)
     elif task not in TASKS and task.startswith("gpu_"):
         import _gpu_tasks
 

@@ -99,3 +99,32 @@ def test_switches_are_registered_and_documented():
         text = f.read()
     for name in ("NVRAR_VLLM", "NVRAR_SGLANG", *ENTRY_POINTS, *ENTRY_POINTS.values()):
         assert name in text, name
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_plugins_and_their_entry_points(tmp_path):
+    """`pip wheel --no-deps .` (the CPU executor only, NVRAR_CUDA=0, to keep it short): the wheel
+    holds every nvrar.integrations module and declares the three entry points, each named nvrar."""
+    import configparser
+    import zipfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NVRAR_CUDA="0", NVRAR_UCX="0")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), root],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
+    with zipfile.ZipFile(tmp_path / wheel) as z:
+        names = set(z.namelist())
+        (eps,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        text = z.read(eps).decode()
+    source = os.path.join(root, "nvrar", "integrations")
+    modules = sorted(f for f in os.listdir(source) if f.endswith(".py"))
+    assert {"__init__.py", "_common.py", "vllm.py", "vllm_communicators.py", "vllm_platforms.py", "sglang.py"} <= set(modules)
+    missing = [m for m in modules if f"nvrar/integrations/{m}" not in names]
+    assert missing == [], f"not in {wheel}: {missing}"
+    parser = configparser.ConfigParser()
+    parser.read_string(text)
+    for group, target in ENTRY_POINTS.items():
+        assert parser.has_section(group), f"{group} not in the wheel's entry_points.txt:\n{text}"
+        assert parser.get(group, "nvrar") == target

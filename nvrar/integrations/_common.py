@@ -37,6 +37,27 @@ def spans_hosts(cpu_group: Any) -> bool:
     return len(set(names)) > 1
 
 
+def _engine_group_bootstrap_class() -> type:
+    from ..bootstrap import TorchBootstrap
+
+    class EngineGroupBootstrap(TorchBootstrap):
+        """nvrar's set-up over an engine group's gloo group, with the ranks per node taken from the
+        ranks' host names (or NVRAR_RANKS_PER_NODE), never from the launcher's variables: inside
+        an engine these describe the engine's own start-up, not its groups. vLLM's CPU platform,
+        for one, sets LOCAL_WORLD_SIZE to the tensor-parallel size, which across hosts would make
+        nvrar take every rank of the group for one node and refuse the group."""
+
+        @property
+        def launcher_local_size(self) -> Optional[int]:
+            return None
+
+    return EngineGroupBootstrap
+
+
+def _EngineGroupBootstrap(cpu_group: Any, timeout: float) -> Any:
+    return _engine_group_bootstrap_class()(cpu_group, timeout)
+
+
 class Serving:
     """nvrar serving the all-reduces of one engine group: a Communicator over the group's CPU
     (gloo) group, and the policy. Collective to create (every rank of the group at once); when
@@ -47,12 +68,12 @@ class Serving:
         import torch.distributed as dist
 
         from .. import _torch_state
-        from ..bootstrap import TorchBootstrap
 
         self.label = label
         self.device = device
         self.state = _torch_state.GroupState(device, dist.get_world_size(cpu_group),
-                                             lambda: TorchBootstrap(cpu_group, _torch_state.default_timeout()), label)
+                                             lambda: _EngineGroupBootstrap(cpu_group, _torch_state.default_timeout()),
+                                             label)
         self.counts = self.state.counts  # {"nvrar": calls nvrar served, "native": calls left to the engine}
         self._dtype_names = _torch_state.DTYPE_NAMES
 
