@@ -115,6 +115,41 @@ tsan_env() {
   export TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 history_size=4 ${TSAN_OPTIONS:-}"
 }
 
+# coverage_report TOTAL FILE...: gcov's text (-t) on stdin, merged over objects by line: each FILE's
+# lines run, those not run listed, and (TOTAL not empty) one line for all of them together.
+coverage_report() {
+  python3 -c '
+import re, sys
+label, files = sys.argv[1], tuple(sys.argv[2:])
+cur, seen = None, {}
+for line in sys.stdin:
+    m = re.match(r"\s*-:\s*0:Source:(.*)$", line)
+    if m:
+        cur = next((f for f in files if m.group(1).endswith(f)), None)
+        continue
+    m = re.match(r"\s*([^:]+):\s*(\d+):(.*)$", line)
+    if not m or cur is None:
+        continue
+    count, no, text = m.group(1).strip(), int(m.group(2)), m.group(3)
+    if count == "-" or no == 0:
+        continue
+    ran = count not in ("#####", "=====")
+    key = (cur, no)
+    seen[key] = (seen.get(key, (False, text))[0] or ran, text)
+tot_all = run_all = 0
+for f in files:
+    lines = sorted((no, v) for (g, no), v in seen.items() if g == f)
+    run = sum(1 for _, (r, _) in lines if r)
+    tot_all += len(lines); run_all += run
+    print(f"coverage {f}: {run} of {len(lines)} lines ({100.0 * run / max(1, len(lines)):.1f}%)")
+    for no, (r, text) in lines:
+        if not r:
+            print(f"  not run: {f}:{no}: {text.strip()}")
+if label:
+    print(f"coverage of {label}: {run_all} of {tot_all} lines ({100.0 * run_all / max(1, tot_all):.1f}%)")
+' "$@"
+}
+
 # build_host DIR FLAGS...: the host half's driver in DIR/emulate_host_driver.
 build_host() {
   local dir=$1; shift
@@ -275,32 +310,8 @@ if [ "$host" = 1 ]; then
     rc=$?
     set -e
     grep -E '^(FAIL|emulated host)' "$dir/run.log" || tail -5 "$dir/run.log"
-    (cd "$dir" && for o in runtime.o allreduce.o fused.o ai_*.o fi_*.o; do gcov -t -p "$o.gcno" 2>/dev/null; done) | python3 -c '
-import re, sys
-files = ("cuda/runtime.cu", "cuda/allreduce.cu", "cuda/fused.cu", "cuda/allreduce_inst.cu", "cuda/fused_inst.cu")
-cur, seen = None, {}
-for line in sys.stdin:
-    m = re.match(r"\s*-:\s*0:Source:(.*)$", line)
-    if m:
-        cur = next((f for f in files if m.group(1).endswith(f)), None)
-        continue
-    m = re.match(r"\s*([^:]+):\s*(\d+):(.*)$", line)
-    if not m or cur is None:
-        continue
-    count, no, text = m.group(1).strip(), int(m.group(2)), m.group(3)
-    if count == "-" or no == 0:
-        continue
-    ran = count not in ("#####", "=====")
-    key = (cur, no)
-    seen[key] = (seen.get(key, (False, text))[0] or ran, text)
-for f in files:
-    lines = sorted((no, v) for (g, no), v in seen.items() if g == f)
-    run = sum(1 for _, (r, _) in lines if r)
-    print(f"coverage {f}: {run} of {len(lines)} lines ({100.0 * run / max(1, len(lines)):.1f}%)")
-    for no, (r, text) in lines:
-        if not r:
-            print(f"  not run: {f}:{no}: {text.strip()}")
-'
+    (cd "$dir" && for o in runtime.o allreduce.o fused.o ai_*.o fi_*.o; do gcov -t -p "$o.gcno" 2>/dev/null; done) |
+      coverage_report "" cuda/runtime.cu cuda/allreduce.cu cuda/fused.cu cuda/allreduce_inst.cu cuda/fused_inst.cu
     exit $rc
   fi
   if [ "$tsan" = 1 ]; then
@@ -323,35 +334,8 @@ if [ "$coverage" = 1 ]; then
   set +e
   "$dir/emulate_driver" "${args[@]}" | tail -1
   set -e
-  (cd "$dir" && for o in k_*.o; do gcov -t -p "$o.gcno" 2>/dev/null; done) | python3 -c '
-import re, sys
-files = ("cuda/device.cuh", "cuda/allreduce_kernel.cuh", "cuda/fused_kernel.cuh")
-cur, seen = None, {}
-for line in sys.stdin:
-    m = re.match(r"\s*-:\s*0:Source:(.*)$", line)
-    if m:
-        cur = next((f for f in files if m.group(1).endswith(f)), None)
-        continue
-    m = re.match(r"\s*([^:]+):\s*(\d+):(.*)$", line)
-    if not m or cur is None:
-        continue
-    count, no, text = m.group(1).strip(), int(m.group(2)), m.group(3)
-    if count == "-" or no == 0:
-        continue
-    ran = count not in ("#####", "=====")
-    key = (cur, no)
-    seen[key] = (seen.get(key, (False, text))[0] or ran, text)
-tot_all = run_all = 0
-for f in files:
-    lines = sorted((no, v) for (g, no), v in seen.items() if g == f)
-    run = sum(1 for _, (r, _) in lines if r)
-    tot_all += len(lines); run_all += run
-    print(f"coverage {f}: {run} of {len(lines)} lines ({100.0 * run / max(1, len(lines)):.1f}%)")
-    for no, (r, text) in lines:
-        if not r:
-            print(f"  not run: {f}:{no}: {text.strip()}")
-print(f"coverage of the device code: {run_all} of {tot_all} lines ({100.0 * run_all / max(1, tot_all):.1f}%)")
-'
+  (cd "$dir" && for o in k_*.o; do gcov -t -p "$o.gcno" 2>/dev/null; done) |
+    coverage_report "the device code" cuda/device.cuh cuda/allreduce_kernel.cuh cuda/fused_kernel.cuh
   exit 0
 fi
 

@@ -25,10 +25,28 @@
 //   NVSHMEM       nvshmem_ptr, nvshmemx_putmem_signal_nbi_block, nvshmemx_putmem_nbi_block,
 //                 nvshmemx_signal_op, nvshmem_fence, nvshmem_uint64_wait_until,
 //                 NVSHMEM_SIGNAL_SET, NVSHMEM_CMP_GE
+//   launch (host) launch_kernel, kernel_max_threads: how the instance units start a kernel and
+//                 query its limits (in the emulation, only the host half has them)
 #pragma once
 
 #if defined(NVRAR_EMULATE)
 #include "../emu/prim_emu.h"
 #else
 #include "prim_cuda.cuh"
+#endif
+
+#if !defined(NVRAR_EMULATE) || defined(NVRAR_EMU_HOST)
+namespace nvrar {
+namespace gpu {
+// The most threads per block `kernel` can launch with on the current device (0 if the query
+// fails): the instance units' companion of the launch primitive launch_kernel (prim_cuda.cuh, or
+// the host emulation's in prim_emu.h), over CUDA's function attributes (emulated there).
+template <typename P>
+inline int kernel_max_threads(void (*kernel)(P)) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) return 0;
+  return a.maxThreadsPerBlock;
+}
+}  // namespace gpu
+}  // namespace nvrar
 #endif

@@ -77,13 +77,5 @@ inline cudaError_t launch_kernel(void (*kernel)(P), int blocks, int threads, boo
   return cudaLaunchKernelEx(&cfg, kernel, params);
 }
 
-// The most threads per block `kernel` can launch with on the current device (0 if the query fails).
-template <typename P>
-inline int kernel_max_threads(void (*kernel)(P)) {
-  cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) return 0;
-  return a.maxThreadsPerBlock;
-}
-
 }  // namespace gpu
 }  // namespace nvrar

@@ -215,7 +215,7 @@ void nvshmemx_signal_op(uint64_t* sig_addr, uint64_t signal, int sig_op, int pe)
 void nvshmem_fence();
 void nvshmem_uint64_wait_until(uint64_t* ivar, int cmp, uint64_t cmp_value);
 
-// The launch primitive (prim_cuda.cuh's launch_kernel and kernel_max_threads) in the host half of
+// The launch primitive (prim_cuda.cuh's launch_kernel) in the host half of
 // the emulation (-DNVRAR_EMU_HOST, scripts/emulate.sh --host): a launch on the emulated stream,
 // which starts the kernel on the emulated device when the stream reaches it (host_emu.cpp).
 #if defined(NVRAR_EMU_HOST)
@@ -236,12 +236,7 @@ inline cudaError_t launch_kernel(void (*kernel)(P), int blocks, int threads, boo
   return static_cast<cudaError_t>(
       ::nvrar::emu::host::launch(stream, blocks, threads, cooperative, [kernel, params]() { kernel(params); }));
 }
-template <typename P>
-inline int kernel_max_threads(void (*kernel)(P)) {
-  cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) return 0;
-  return a.maxThreadsPerBlock;
-}
+// kernel_max_threads: prim.cuh (both builds: the emulated cudaFuncGetAttributes answers here).
 }  // namespace gpu
 }  // namespace nvrar
 #endif
