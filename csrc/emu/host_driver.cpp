@@ -244,15 +244,25 @@ MachineConfig machine(int pes, int G, uint64_t seed) {
   return mc;
 }
 
+// The frame of a case: a machine of W PEs (G per node), prepare(m) before they start (failure
+// injection), body(m, box, r) on each PE's bound thread (box: the unique id, share_uid); fails on
+// any PE's error, then on any hazard the emulation recorded.
+void on_machine(int W, int G, uint64_t seed, const std::function<void(Machine&, UidBox&, int)>& body,
+                const std::function<void(Machine&)>& prepare = {}) {
+  Machine m(machine(W, G, seed));
+  if (prepare) prepare(m);
+  UidBox box;
+  no_errors(run_pes(m, W, [&](int r) { body(m, box, r); }));
+  no_hazards(m);
+}
+
 // The whole life of an executor: nvrar's own init, eager calls of every algorithm on two streams
 // (one blocking, one not) with no host synchronization between them, in place, in the pool,
 // the queries, close (NVSHMEM finalized), and the refusals after close.
 template <typename T>
 void run_lifecycle(int N, int G, RedOp op, uint64_t seed) {
   const int W = N * G;
-  Machine m(machine(W, G, seed));
-  UidBox box;
-  auto err = run_pes(m, W, [&](int r) {
+  on_machine(W, G, seed, [&](Machine& m, UidBox& box, int r) {
     REQUIRE(nvrar::gpu::nvshmem_init_status() == NVSHMEM_STATUS_NOT_INITIALIZED, "NVSHMEM initialized too early");
     REQUIRE(nvrar::gpu::nvshmem_pes() == std::vector<int>({-1, -1}), "nvshmem_pes before init");
     std::string why;
@@ -332,23 +342,18 @@ void run_lifecycle(int N, int G, RedOp op, uint64_t seed) {
     cudaStreamDestroy(s1);
     cudaStreamDestroy(s2);
   });
-  no_errors(err);
-  no_hazards(m);
 }
 
 // A world of one: a copy on the stream, no kernel.
 void run_world_one(uint64_t seed) {
-  Machine m(machine(1, 1, seed));
-  UidBox box;
-  no_errors(run_pes(m, 1, [&](int r) {
+  on_machine(1, 1, seed, [&](Machine& m, UidBox& box, int r) {
     GpuExecutor ex(config(0, 1, 1), share_uid(box, r));
     const uint64_t before = nvrar::emu::host::launches();
     call_checked<float>(ex, 0, 1, 777, RedOp::kSum, Algorithm::kAuto, nullptr, 3);
     call_checked<float>(ex, 0, 1, 777, RedOp::kSum, Algorithm::kAuto, nullptr, 4, true);
     REQUIRE(nvrar::emu::host::launches() == before, "a world of one launched a kernel");
     ex.close();
-  }));
-  no_hazards(m);
+  });
 }
 
 // Fused all-reduce + add + RMSNorm against the host reference (protocol/epilogue.h).
@@ -379,9 +384,7 @@ void fused_checked(GpuExecutor& ex, int r, int W, size_t rows, size_t h, Algorit
 
 void run_fused(int N, int G, uint64_t seed) {
   const int W = N * G;
-  Machine m(machine(W, G, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, G, seed, [&](Machine& m, UidBox& box, int r) {
     GpuExecutor ex(config(r, W, G), share_uid(box, r));
     cudaStream_t s = nullptr;
     cuda(cudaStreamCreate(&s), "stream");
@@ -389,8 +392,7 @@ void run_fused(int N, int G, uint64_t seed) {
     fused_checked<nvrar::bf16>(ex, r, W, 5, 128, Algorithm::kTwoShot, s, 2);
     fused_checked<nvrar::f16>(ex, r, W, 2, 64, Algorithm::kOneShot, s, 3);
     ex.close();
-  }));
-  no_hazards(m);
+  });
 }
 
 // A graph captured once (all-reduce, one-shot and two-shot, and a fused call whose first call is
@@ -398,9 +400,7 @@ void run_fused(int N, int G, uint64_t seed) {
 // between the replays, never synchronized by the host in between.
 void run_graph(int N, int G, int replays, uint64_t seed) {
   const int W = N * G;
-  Machine m(machine(W, G, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, G, seed, [&](Machine& m, UidBox& box, int r) {
     GpuExecutor ex(config(r, W, G), share_uid(box, r));
     cudaStream_t s = nullptr, e = nullptr;
     cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
@@ -443,17 +443,14 @@ void run_graph(int N, int G, int replays, uint64_t seed) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);
     ex.close();
-  }));
-  no_hazards(m);
+  });
 }
 
 // NVSHMEM initialized by another library first (nvshmem4py): the executor joins it, takes and
 // drops one reference, and leaves it initialized.
 void run_join(int N, int G, uint64_t seed) {
   const int W = N * G;
-  Machine m(machine(W, G, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, G, seed, [&](Machine& m, UidBox& box, int r) {
     const std::string uid = share_uid(box, r);
     REQUIRE(nvrar::emu::host::init_external(uid, r, W) == 0, "external init");
     GpuExecutor ex(config(r, W, G), "");  // no unique id: a join needs none
@@ -464,16 +461,13 @@ void run_join(int N, int G, uint64_t seed) {
     REQUIRE(nvrar::emu::host::nvshmem_refs() == 1, "close did not drop its reference");
     nvrar::emu::host::finalize_external();
     REQUIRE(nvrar::gpu::nvshmem_init_status() == NVSHMEM_STATUS_NOT_INITIALIZED, "still initialized");
-  }));
-  no_hazards(m);
+  });
 }
 
 // NVSHMEM's own reduction (the benchmark's peer) on symmetric buffers.
 void run_nvshmem_reduce(uint64_t seed) {
   const int W = 4, G = 2;
-  Machine m(machine(W, G, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, G, seed, [&](Machine& m, UidBox& box, int r) {
     GpuExecutor ex(config(r, W, G), share_uid(box, r));
     const size_t n = 1000;
     float* src = reinterpret_cast<float*>(ex.pool_address());
@@ -497,8 +491,7 @@ void run_nvshmem_reduce(uint64_t seed) {
     }
     REQUIRE(refused, "NVSHMEM avg reduction not refused");
     ex.close();
-  }));
-  no_hazards(m);
+  });
 }
 
 // A set-up step that fails on ONE PE: every PE raises (the failing one with its step, the others
@@ -506,11 +499,8 @@ void run_nvshmem_reduce(uint64_t seed) {
 // close finalizes NVSHMEM (the failed executor was never counted).
 void run_setup_failure(const std::string& point, int nth, const std::string& needle, uint64_t seed) {
   const int W = 4, G = 2, victim = 1;
-  Machine m(machine(W, G, seed));
-  m.inject(victim, point, nth);
-  UidBox box;
   HostBarrier bar(W);
-  auto err = run_pes(m, W, [&](int r) {
+  on_machine(W, G, seed, [&](Machine& m, UidBox& box, int r) {
     const std::string uid = share_uid(box, r);
     std::string bad;  // checked after the barrier, so that a failed check ends no PE early
     try {
@@ -531,19 +521,14 @@ void run_setup_failure(const std::string& point, int nth, const std::string& nee
     again.close();
     REQUIRE(nvrar::gpu::nvshmem_init_status() == NVSHMEM_STATUS_NOT_INITIALIZED,
             "NVSHMEM not finalized after the failed set-up and a good one (the executor count is off)");
-  });
-  no_errors(err);
-  no_hazards(m);
+  }, [&](Machine& m) { m.inject(victim, point, nth); });
 }
 
 // A failure before NVSHMEM's bootstrap on one PE: it raises at once; the others' bootstrap ends
 // at its deadline, and they raise too.
 void run_preinit_failure(const std::string& point, const std::string& needle, uint64_t seed) {
   const int W = 2, G = 1;
-  Machine m(machine(W, G, seed));
-  m.inject(1, point);
-  UidBox box;
-  auto err = run_pes(m, W, [&](int r) {
+  on_machine(W, G, seed, [&](Machine& m, UidBox& box, int r) {
     const std::string uid = share_uid(box, r);
     try {
       GpuExecutor ex(config(r, W, G), uid);
@@ -553,17 +538,13 @@ void run_preinit_failure(const std::string& point, const std::string& needle, ui
       if (r == 1) REQUIRE(t.find(needle) != std::string::npos, "rank 1: " << t);
       else REQUIRE(t.find("NVSHMEM initialization failed") != std::string::npos, "rank " << r << ": " << t);
     }
-  });
-  no_errors(err);
-  no_hazards(m);
+  }, [&](Machine& m) { m.inject(1, point); });
 }
 
 // Refusals before any collective, identical on every PE.
 void run_refusals(uint64_t seed) {
   const int W = 2;
-  Machine m(machine(W, 1, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
     const std::string uid = share_uid(box, r);
     auto refused = [&](GpuConfig c, const std::string& needle) {
       try {
@@ -589,46 +570,31 @@ void run_refusals(uint64_t seed) {
     c = config(r, W, 1);
     c.rank = 7;
     refused(c, "rank 7 of 2");
-  }));
-  no_hazards(m);
-  // No device on any PE.
-  Machine m2(machine(W, 1, seed));
-  for (int p = 0; p < W; ++p) m2.inject(p, "cudaGetDeviceCount");
-  UidBox box2;
-  no_errors(run_pes(m2, W, [&](int r) {
-    const std::string uid = share_uid(box2, r);
-    std::string why;
-    try {
-      GpuExecutor ex(config(r, W, 1), uid);
-    } catch (const nvrar::Error& e) {
-      why = e.what();
-    }
-    REQUIRE(why.find("needs a CUDA device") != std::string::npos, "no device: " << why);
-  }));
-  // Bootstrapped but not initialized (every PE).
-  Machine m3(machine(W, 1, seed));
-  for (int p = 0; p < W; ++p) m3.inject(p, "bootstrapped");
-  UidBox box3;
-  no_errors(run_pes(m3, W, [&](int r) {
-    const std::string uid = share_uid(box3, r);
-    std::string why;
-    try {
-      GpuExecutor ex(config(r, W, 1), uid);
-    } catch (const nvrar::Error& e) {
-      why = e.what();
-    }
-    REQUIRE(why.find("bootstrapped but not initialized") != std::string::npos, "bootstrapped: " << why);
-  }));
-  no_hazards(m3);
+  });
+  // A fault on every PE that the constructor refuses before any collective: no device, an NVSHMEM
+  // bootstrapped but not initialized.
+  for (const auto& [fault, needle] : {std::pair<std::string, std::string>{"cudaGetDeviceCount", "needs a CUDA device"},
+                                      {"bootstrapped", "bootstrapped but not initialized"}}) {
+    on_machine(W, 1, seed, [&](Machine&, UidBox& box, int r) {
+      const std::string uid = share_uid(box, r);
+      std::string why;
+      try {
+        GpuExecutor ex(config(r, W, 1), uid);
+      } catch (const nvrar::Error& e) {
+        why = e.what();
+      }
+      REQUIRE(why.find(needle) != std::string::npos, fault << ": " << why);
+    }, [&](Machine& m) {
+      for (int p = 0; p < W; ++p) m.inject(p, fault);
+    });
+  }
 }
 
 // A user-set NVSHMEM_SYMMETRIC_SIZE is left alone; two executors in one process share NVSHMEM:
 // closing the first keeps it, closing the second finalizes it; abandon() is not collective.
 void run_two_executors(uint64_t seed) {
   const int W = 2;
-  Machine m(machine(W, 1, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
     nvrar::emu::host::env_set("NVSHMEM_SYMMETRIC_SIZE", "512M");
     const std::string uid = share_uid(box, r);
     GpuExecutor a(config(r, W, 1), uid);
@@ -646,8 +612,7 @@ void run_two_executors(uint64_t seed) {
     }
     b.close();
     REQUIRE(nvrar::gpu::nvshmem_init_status() == NVSHMEM_STATUS_NOT_INITIALIZED, "not finalized after the last close");
-  }));
-  no_hazards(m);
+  });
 }
 
 // The legacy stream while another thread of the PE captures in global mode: CUDA refuses it
@@ -655,9 +620,7 @@ void run_two_executors(uint64_t seed) {
 // executor keeps working afterwards.
 void run_legacy_during_capture(uint64_t seed) {
   const int W = 2;
-  Machine m(machine(W, 1, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
     GpuExecutor ex(config(r, W, 1), share_uid(box, r));
     cudaStream_t cap = nullptr;
     cuda(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking), "stream");
@@ -686,17 +649,14 @@ void run_legacy_during_capture(uint64_t seed) {
     REQUIRE(nvrar::emu::host::launches() == before, "a kernel was launched");
     call_checked<float>(ex, r, W, 700, RedOp::kSum, Algorithm::kAuto, cap, 4);
     ex.close();
-  }));
-  no_hazards(m);
+  });
 }
 
 // A capture invalidated before the call (a synchronization of the capturing stream): the call
 // raises and says so.
 void run_invalidated_capture(uint64_t seed) {
   const int W = 2;
-  Machine m(machine(W, 1, seed));
-  UidBox box;
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
     GpuExecutor ex(config(r, W, 1), share_uid(box, r));
     cudaStream_t s = nullptr;
     cuda(cudaStreamCreate(&s), "stream");
@@ -715,8 +675,7 @@ void run_invalidated_capture(uint64_t seed) {
     REQUIRE(why.find("capture was invalidated") != std::string::npos, "no clear error: '" << why << "'");
     call_checked<float>(ex, r, W, 300, RedOp::kSum, Algorithm::kAuto, s, 5);
     ex.close();
-  }));
-  no_hazards(m);
+  });
 }
 
 // One rank never calls: the caller's check() raises the recorded timeout (phase, peer), a later
@@ -724,10 +683,8 @@ void run_invalidated_capture(uint64_t seed) {
 // traps at entry: check() raises the recorded failure before the CUDA error.
 void run_timeout_and_replay(uint64_t seed) {
   const int W = 2;
-  Machine m(machine(W, 1, seed));
-  UidBox box;
   HostBarrier bar(W);
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
     GpuConfig c = config(r, W, 1);
     c.timeout_s = 0.5;
     GpuExecutor ex(c, share_uid(box, r));
@@ -775,8 +732,7 @@ void run_timeout_and_replay(uint64_t seed) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);
     if (r == 0) ex.abandon();  // its context is lost: no collective on it
-  }));
-  no_hazards(m);
+  });
 }
 
 // abandon() (interpreter exit, a failed set-up elsewhere) with a call in flight whose peer never
@@ -784,10 +740,8 @@ void run_timeout_and_replay(uint64_t seed) {
 // CUDA's and NVSHMEM's teardown.
 void run_abandon_in_flight(uint64_t seed) {
   const int W = 2;
-  Machine m(machine(W, 1, seed));
-  UidBox box;
   HostBarrier bar(W);
-  no_errors(run_pes(m, W, [&](int r) {
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
     GpuConfig c = config(r, W, 1);
     c.timeout_s = 0.5;
     GpuExecutor ex(c, share_uid(box, r));
@@ -806,8 +760,7 @@ void run_abandon_in_flight(uint64_t seed) {
     bar.wait();
     if (r == 1) ex.abandon();
     REQUIRE(left == 0, "abandon() returned with " << left << " operation(s) in flight");
-  }));
-  no_hazards(m);
+  });
 }
 
 std::vector<Case> make_cases() {
