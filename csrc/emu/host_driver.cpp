@@ -546,30 +546,24 @@ void run_refusals(uint64_t seed) {
   const int W = 2;
   on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
     const std::string uid = share_uid(box, r);
-    auto refused = [&](GpuConfig c, const std::string& needle) {
+    // A bad field of the configuration and the words its refusal must contain.
+    const std::vector<std::pair<std::function<void(GpuConfig&)>, std::string>> bad = {
+        {[](GpuConfig& c) { c.channels = 5; }, "NVRAR_GPU_CHANNELS"},
+        {[](GpuConfig& c) { c.timeout_s = 0; }, "timeout must be > 0"},
+        {[](GpuConfig& c) { c.ranks_per_node = 3; }, "must divide the world size"},
+        {[](GpuConfig& c) { c.threads = 16; }, "bad launch configuration"},
+        {[](GpuConfig& c) { c.rank = 7; }, "rank 7 of 2"}};
+    for (const auto& [spoil, needle] : bad) {
+      GpuConfig c = config(r, W, 1);
+      spoil(c);
+      std::string why = "not refused";
       try {
         GpuExecutor ex(c, uid);
       } catch (const nvrar::Error& e) {
-        REQUIRE(std::string(e.what()).find(needle) != std::string::npos, "expected '" << needle << "': " << e.what());
-        return;
+        why = e.what();
       }
-      REQUIRE(false, "not refused: " << needle);
-    };
-    GpuConfig c = config(r, W, 1);
-    c.channels = 5;
-    refused(c, "NVRAR_GPU_CHANNELS");
-    c = config(r, W, 1);
-    c.timeout_s = 0;
-    refused(c, "timeout must be > 0");
-    c = config(r, W, 1);
-    c.ranks_per_node = 3;
-    refused(c, "must divide the world size");
-    c = config(r, W, 1);
-    c.threads = 16;
-    refused(c, "bad launch configuration");
-    c = config(r, W, 1);
-    c.rank = 7;
-    refused(c, "rank 7 of 2");
+      REQUIRE(why.find(needle) != std::string::npos, "expected '" << needle << "': " << why);
+    }
   });
   // A fault on every PE that the constructor refuses before any collective: no device, an NVSHMEM
   // bootstrapped but not initialized.
