@@ -55,11 +55,18 @@ SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
 # G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
 # per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
-# wins up to 4 KB, two-shot from 8 KB on (measured with nvrar-bench --min-bytes 64 --max-bytes 32K
-# --algorithms one-shot,two-shot, 2 ranks on a 2-core x86 host; that command, or `nvrar tune`,
-# measures another machine). G = 1 has no intra-node phase, so both variants move the same bytes.
-# Larger G: not measured here (more ranks than cores); 16 KB is a guess between the two costs.
-CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 4 << 10}
+# up to 16 KB, two-shot from 32 KB on. On an AMD EPYC host (family 25, 2 cores, AVX2, KVM guest;
+# 2026-12-03) the ordinary-buffer one-shot beat two-shot at 8 and 16 KB in each of three runs of
+# `nvrar-bench --backends nvrar,mpi --timing cold --algorithms one-shot,two-shot --min-bytes 8K
+# --max-bytes 128K --iters 200` (medians, us: 8 KB 8.7/9.8, 5.8/6.4, 8.8/10.4; 16 KB
+# 11.5/14.0, 6.5/10.8, 12.7/16.0), was level at 32 KB and lost from 64 KB on; a two-shot shard of 8
+# KB costs two system calls (cross-memory read and write) that one-shot does not make. Buffers from
+# Communicator.empty() prefer two-shot at 8-16 KB by 1-5 us in those runs, but the threshold cannot
+# depend on one rank's buffers (every rank must pick the same algorithm) and the engines' and
+# torch's calls pass ordinary tensors. G = 1 has no intra-node phase, so both variants move the
+# same bytes. Larger G: not measured here (more ranks than cores); 16 KB is a guess between the two
+# costs. `nvrar tune` measures another machine.
+CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 16 << 10}
 CPU_ONESHOT_MAX_DEFAULT = 16 << 10
 
 # GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
