@@ -403,7 +403,21 @@ def task_phase_times(args: dict) -> dict:
     return {"off": off, "on": on, "after": after, "ok": ok}
 
 
-TASKS = {"phase_times": task_phase_times, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+def task_crowded(args: dict) -> dict:
+    """Random calls with their results checked while other processes keep every core busy (the
+    test starts them): waits then sleep on the doorbell (NOTE [doorbell], csrc/cpu/executor.cpp),
+    counted by the phase timing."""
+    comm = nvrar.Communicator(max_bytes=args.get("max_bytes", 1 << 20), timeout=args.get("timeout", 60))
+    comm._ex.set_phase_timing(True)
+    t0 = time.monotonic()
+    burst = _matrix.run_burst(comm, calls=args["calls"], seed=args.get("seed", 11), max_count=args.get("max_count", 1 << 18))
+    seconds = time.monotonic() - t0
+    times = comm._ex.take_phase_times()
+    comm.close()
+    return {"burst": burst, "dozes": times["dozes"], "calls": times["calls"], "seconds": seconds}
+
+
+TASKS = {"phase_times": task_phase_times, "crowded": task_crowded, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
          "closed_peer": task_closed_peer, "stop": task_stop}
 

@@ -182,3 +182,34 @@ def test_phase_timing_counts_every_call_and_its_phases_lie_within_it():
         assert on["reduce_ns"] > 0 and on["signal_ns"] > 0 and on["copy_ns"] + on["cma_ns"] > 0, on
         assert on["remote_ns"] == 0, on  # one host
         assert rep["after"]["calls"] == 0, rep["after"]  # take_phase_times() clears
+
+
+def test_waits_on_a_crowded_host_sleep_on_the_doorbell_and_results_stay_exact():
+    """NOTE [doorbell] (csrc/cpu/executor.cpp): with more runnable threads than cores (spinning
+    processes beside the ranks), a wait past its spin sleeps on its doorbell, woken by the peer
+    that stores its flag. 2 and 3 ranks, 300 random calls each (sizes, ops, dtypes, algorithms,
+    buffer kinds differing between ranks), every result checked exactly and identical on every
+    rank; the waits must have slept (the path ran), and a lost wake-up would cost its 1 ms
+    timeout per wait, so the burst must stay well inside its deadline."""
+    import subprocess
+    import sys
+
+    from _launch import assert_all_ok, launch
+
+    cores = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 240\nwhile time.time() < end: pass"])
+                for _ in range(cores)]
+    try:
+        for world in (2, 3):
+            reports = assert_all_ok(launch(world, "crowded", {"calls": 300, "max_count": 1 << 16}, timeout=240))
+            for rep in reports:
+                assert rep["burst"]["failures"] == [], rep["burst"]["failures"][:3]
+                assert rep["burst"]["checked"] == 300 and rep["calls"] == 300, rep
+            assert len({rep["burst"]["digest"] for rep in reports}) == 1
+            if world <= cores:  # (oversubscribed ranks keep yielding: kSpinPollsOversubscribed)
+                assert sum(rep["dozes"] for rep in reports) > 0, reports
+            assert max(rep["seconds"] for rep in reports) < 120, [rep["seconds"] for rep in reports]
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()

@@ -637,6 +637,7 @@ void CpuExecutor::doze(uint64_t waited_ns, Ready ready) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   const uint32_t rung = __atomic_load_n(&h->doorbell, __ATOMIC_ACQUIRE);
   if (!ready()) {
+    times_.dozes += phase_timing_ ? 1 : 0;
     struct timespec ts = {0, 1000 * 1000};
     syscall(SYS_futex, &h->doorbell, FUTEX_WAIT, rung, &ts, nullptr, 0);
   }

@@ -69,6 +69,7 @@ struct PhaseTimes {
   uint64_t cma_ns = 0;     // cross-memory reads and writes of local peers' private buffers
   uint64_t signal_ns = 0;  // flag stores into peers' cells
   uint64_t remote_ns = 0;  // puts to other hosts (issue and local completion)
+  uint64_t dozes = 0;      // waits that slept on the doorbell (NOTE [doorbell], executor.cpp)
 };
 
 class CpuExecutor {
