@@ -1,19 +1,25 @@
 """The CPU latency check (docs/results.md, "CPU latency check"), in one run (driven by
 benchmarks/latency_check.sh).
 
-    python benchmarks/latency_check.py --old-path DIR [--budget-s 450] [--json out.json]
+    python benchmarks/latency_check.py --old-path DIR [--budget-s 450] [--json out.json] [--busy]
 
-Starts several mpirun jobs that stay alive side by side: the old build (its package directory
-first on PYTHONPATH) and the new one (the nvrar this Python imports) on 2 ranks, and the new one
-on 4 ranks. Only one job measures at a time: the others sleep in a blocking read of their FIFO,
-so that a measurement of one build has the cores to itself, and the builds and peers take turns
+Starts several MPI jobs that stay alive side by side: the old build (its package directory
+first on PYTHONPATH) and the new one (the nvrar this Python imports) on 2 ranks under pip's Open
+MPI mpirun, MPICH's and Intel MPI's MPI_Allreduce each in a job of its own under that library's
+mpiexec (where the mpich / impi-rt wheel is installed: nvrar.bench.mpilibs), then the new one and
+those libraries on 4 ranks. Only one job measures at a time: the others sleep in a blocking read
+of their FIFO, so that a measurement has the cores to itself, and the builds and peers take turns
 size by size (several rounds, interleaved), so that a disturbance of the machine hits them alike.
 
 Measured (float32 sum, torch CPU tensors, median over the calls of the per-call maximum over the
 ranks): cold = an MPI barrier before every timed call (how TP decode calls arrive), warm = back to
-back (as nccl-tests time). Peers: DeepSpeed's shm all-reduce (deepspeed.comm.inference_all_reduce,
-where DeepSpeed is installed) and MPI_Allreduce (mpi4py). One rank: the time of one 8 KB torch
+back (as nccl-tests time). Old vs new: 8 KB-16 MB, each size's new/old ratio the median of the
+rounds' ratios (each round measures old and new alternately). Peers: DeepSpeed's shm all-reduce
+(deepspeed.comm.inference_all_reduce, where DeepSpeed is installed) and MPI_Allreduce (mpi4py) of
+Open MPI (column mpi), MPICH (mpich) and Intel MPI (impi). One rank: the time of one 8 KB torch
 call. Copy bandwidth with every rank copying at once, for the memory-bandwidth floor at 8-16 MB.
+--busy: one spinning process per two ranks runs through the timed part (a host with other work);
+its rows say busy, and the peer target becomes nvrar <= 1.0x the best peer at every size (2 ranks).
 Prints a table per part, then every target ratio with PASS or FAIL, then the verdict line.
 """
 
@@ -49,7 +55,7 @@ def fmt(n: int) -> str:
 
 # -- worker: one rank of one job -------------------------------------------------------------------
 class Worker:
-    def __init__(self, peers: bool) -> None:
+    def __init__(self, peers: bool, mpi_only: bool = False) -> None:
         from mpi4py import MPI
 
         import torch
@@ -57,12 +63,17 @@ class Worker:
         self.MPI, self.torch = MPI, torch
         self.world = MPI.COMM_WORLD
         self.rank, self.size = self.world.rank, self.world.size
-        import nvrar
-        from nvrar.bootstrap import SingleBootstrap
+        self.library = MPI.Get_library_version().replace("\x00", "").strip()  # Open MPI ends it with a NUL
+        self.nvrar: Any = None
+        self.comm: Any = None
+        self.single: Any = None
+        if not mpi_only:  # a job of another MPI library measures its MPI_Allreduce only
+            import nvrar
+            from nvrar.bootstrap import SingleBootstrap
 
-        self.nvrar = nvrar
-        self.comm = nvrar.Communicator()
-        self.single = nvrar.Communicator(group=SingleBootstrap()) if self.rank == 0 else None
+            self.nvrar = nvrar
+            self.comm = nvrar.Communicator()
+            self.single = nvrar.Communicator(group=SingleBootstrap()) if self.rank == 0 else None
         self.ds: Any = None
         self.ds_reason = "not requested"
         if peers:
@@ -164,12 +175,13 @@ def _free_port() -> int:
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    w = Worker(args.peers)
+    w = Worker(args.peers, args.mpi_only)
     cmd_path = os.path.join(args.dir, f"cmd.{args.job}.{w.rank}")
     os.mkfifo(cmd_path)
     w.world.Barrier()
-    info = {"ready": True, "ds_reason": w.ds_reason, "nvrar": os.path.dirname(w.nvrar.__file__),
-            "algorithm_2M": w.comm.algorithm_for(2 * MB)}
+    info = {"ready": True, "ds_reason": w.ds_reason, "library": w.library,
+            "nvrar": os.path.dirname(w.nvrar.__file__) if w.nvrar else "",
+            "algorithm_2M": w.comm.algorithm_for(2 * MB) if w.comm else ""}
     # One write end (rank 0) and one read end (the coordinator), both kept open for the whole
     # run: a FIFO reopened per answer could hand the reader the previous writer's end of file.
     done = open(os.path.join(args.dir, f"done.{args.job}"), "w") if w.rank == 0 else None
@@ -190,7 +202,8 @@ def worker_main(args: argparse.Namespace) -> int:
             if done is not None:
                 done.write(json.dumps(res) + "\n")
                 done.flush()
-    w.comm.close()
+    if w.comm is not None:
+        w.comm.close()
     if w.single is not None:
         w.single.close()
     return 0
@@ -198,33 +211,72 @@ def worker_main(args: argparse.Namespace) -> int:
 
 # -- coordinator ------------------------------------------------------------------------------------
 class Job:
-    def __init__(self, name: str, ranks: int, pythonpath: Optional[str], peers: bool, d: str) -> None:
+    """One MPI job of worker ranks. ``lib``: another MPI library (nvrar.bench.mpilibs): the ranks
+    run under its mpiexec with mpi4py bound to it, and measure its MPI_Allreduce only; None: pip's
+    Open MPI mpirun. A job that ends, or (``start_s``) is not up in time, raises RuntimeError."""
+
+    def __init__(self, name: str, ranks: int, pythonpath: Optional[str], peers: bool, d: str,
+                 lib: Any = None, start_s: float = 180.0) -> None:
         self.name, self.ranks, self.dir = name, ranks, d
-        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-        if not os.path.exists(mpirun):
-            mpirun = shutil.which("mpirun") or "mpirun"
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx")
+        self.lib = lib
+        script = [sys.executable, os.path.abspath(__file__), "worker", "--job", name, "--dir", d]
+        if lib is None:
+            mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+            if not os.path.exists(mpirun):
+                mpirun = shutil.which("mpirun") or "mpirun"
+            env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx")
+            ompi = os.path.join(os.path.dirname(os.path.dirname(mpirun)), "lib", "libmpi.so.40")
+            if os.path.isfile(ompi) and "MPI4PY_MPIABI" not in env:
+                env.setdefault("MPI4PY_LIBMPI", ompi)  # mpi4py binds to the Open MPI beside this mpirun
+            cmd = [mpirun, "-n", str(ranks), "--oversubscribe", *script] + (["--peers"] if peers else [])
+        else:
+            from nvrar.bench.mpilibs import job_environment
+
+            env = job_environment(lib)
+            cmd = [lib.mpiexec, "-n", str(ranks), *script, "--mpi-only"]
+        self.launcher = cmd[0]
         env.pop("PYTHONPATH", None)
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
-        cmd = [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, os.path.abspath(__file__), "worker",
-               "--job", name, "--dir", d] + (["--peers"] if peers else [])
         self.done_path = os.path.join(d, f"done.{name}")
         os.mkfifo(self.done_path)
         self.proc = subprocess.Popen(cmd, env=env, cwd=d)
-        self.done = open(self.done_path)  # blocks until rank 0 opens its end
-        self.info = self._read()
-        self.cmds = []
+        # read and write: opening never blocks (Linux), and a job that dies before it opens its
+        # end is seen by _read's polling instead of hanging this open
+        self._fd = os.open(self.done_path, os.O_RDWR)
+        self._buf = b""
+        self.start_s = start_s
+        self.cmds: List[Any] = []
+        try:
+            self.info = self._read(time.monotonic() + start_s)
+        except BaseException:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            os.close(self._fd)
+            raise
         for r in range(ranks):
             path = os.path.join(d, f"cmd.{name}.{r}")
             while not os.path.exists(path):
                 time.sleep(0.01)
             self.cmds.append(open(path, "w"))
 
-    def _read(self) -> Dict[str, Any]:
-        line = self.done.readline()  # blocks until rank 0 answers
-        if not line:
-            raise RuntimeError(f"job {self.name} ended without an answer (exit {self.proc.poll()})")
+    def _read(self, deadline: Optional[float] = None) -> Dict[str, Any]:
+        """Rank 0's next answer (one line); polls so that a job that ended is noticed."""
+        import select
+
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([self._fd], [], [], 0.5)
+            if ready:
+                self._buf += os.read(self._fd, 1 << 16)
+                continue
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"job {self.name} under {self.launcher} ended without an answer "
+                                   f"(exit {self.proc.returncode})")
+            if deadline is not None and time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"job {self.name} under {self.launcher} was not up after {self.start_s:.0f} s")
+        line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
     def ask(self, **req: Any) -> Dict[str, Any]:
@@ -244,7 +296,54 @@ class Job:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.done.close()
+            self.proc.wait()
+        os.close(self._fd)
+
+
+def start_peer_jobs(libs: Dict[str, Any], ranks: int, d: str, jobs: Dict[str, Job]) -> List[str]:
+    """Jobs of the other MPI libraries (key NAME, or NAME4 on 4 ranks); returns the names of those
+    that came up (a job that does not is reported and left out)."""
+    up = []
+    for name, lib in libs.items():
+        key = name if ranks == 2 else f"{name}{ranks}"
+        try:
+            jobs[key] = Job(key, ranks, None, False, d, lib=lib)
+        except RuntimeError as exc:
+            print(f"# skipped: {name} ({exc})", flush=True)
+            continue
+        want = lib.peer.marker
+        got = jobs[key].info["library"]
+        if want not in got or any(f in got for f in lib.peer.foreign):
+            print(f"# skipped: {name} (its job loaded {got.splitlines()[0]!r}, not {lib.peer.title})", flush=True)
+            jobs.pop(key).close()
+            continue
+        up.append(name)
+    return up
+
+
+class Spinners:
+    """--busy: processes that only spin (a host busy with other work), one per two ranks, each
+    ending by itself after ``limit_s`` and stopped by stop() (the check's own end)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.procs: List[subprocess.Popen] = []
+
+    def run(self, n: int) -> None:
+        while len(self.procs) > n:
+            self._end(self.procs.pop())
+        code = f"import time\nend = time.monotonic() + {self.limit_s:.0f}\nwhile time.monotonic() < end:\n    pass\n"
+        while len(self.procs) < n:
+            self.procs.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL))
+
+    def stop(self) -> None:
+        while self.procs:
+            self._end(self.procs.pop())
+
+    @staticmethod
+    def _end(p: subprocess.Popen) -> None:
+        p.kill()
+        p.wait()
 
 
 def iters_for(nbytes: int, ranks: int) -> int:
@@ -276,82 +375,126 @@ def coordinator(args: argparse.Namespace) -> int:
     def stat(v: List[float]) -> float:
         return float(np.quantile(v, args.quantile))
 
+    from nvrar.bench.mpilibs import PEERS, find, mpi4py_mpich_abi
+
+    busy = bool(args.busy)
+    mark = "  busy" if busy else ""
     d = tempfile.mkdtemp(prefix="nvrar-latency-")
     jobs: Dict[str, Job] = {}
-    results: Dict[str, Any] = {"old_new": [], "peers": [], "single": {}, "copy": {}}
+    results: Dict[str, Any] = {"busy": busy, "old_new": [], "peers": [], "single": {}, "copy": {}, "libraries": {},
+                               "skipped": {}}
+    # a spinner outlives nothing: it stops itself after the whole check's budget, and is killed at the end
+    spinners = Spinners(args.budget_s + 120)
     try:
         print(f"# load: {os.getloadavg()}; statistic: quantile {args.quantile} of the per-call times", flush=True)
+        libs: Dict[str, Any] = {}
+        for name in PEERS:
+            lib, why = find(name)
+            why = why or mpi4py_mpich_abi()
+            if lib is None or why:
+                results["skipped"][name] = why
+                print(f"# skipped: {name} ({why})", flush=True)
+            else:
+                libs[name] = lib
         jobs["old"] = Job("old", 2, args.old_path, False, d)
         jobs["new"] = Job("new", 2, None, True, d)
         print(f"# old nvrar: {jobs['old'].info['nvrar']}; new nvrar: {jobs['new'].info['nvrar']}", flush=True)
         ds_reason = jobs["new"].info["ds_reason"]
-        peers = ["nvrar", "mpi"] + ([] if ds_reason else ["deepspeed"])
+        up = start_peer_jobs(libs, 2, d, jobs)
+        for name in libs:
+            if name not in up:
+                results["skipped"][name] = f"its job did not come up under {libs[name].mpiexec}"
+        peers = ["nvrar", "mpi"] + ([] if ds_reason else ["deepspeed"]) + up
+        libraries = {"mpi": jobs["new"].info["library"], **{n: jobs[n].info["library"] for n in up}}
+        results["libraries"] = libraries
+        for col, text in libraries.items():
+            first = " ".join(text.splitlines()[0].split()) if text else "?"
+            print(f"# {col}: {first} ({jobs[col if col != 'mpi' else 'new'].launcher})", flush=True)
         if ds_reason:
+            results["skipped"]["deepspeed"] = ds_reason
             print(f"# deepspeed skipped: {ds_reason}", flush=True)
+        if busy:
+            spinners.run(1)  # one per two ranks
+            print(f"# --busy: {len(spinners.procs)} spinning process(es) through the timed part", flush=True)
 
-        # (a) old vs new, 2 ranks, cold and warm, 8K-2M; one rank 8 KB
+        # (a) old vs new, 2 ranks, cold and warm, 8K-16M; one rank 8 KB. Each round measures old and
+        # new alternately at every size; a size's ratio is the median of the rounds' ratios.
         rounds = args.rounds
         acc: Dict[Any, List[float]] = {}
+        round_ratios: Dict[Any, List[float]] = {}
+        sizes_a = sizes(8 * KB, 16 * MB)
         for r in range(rounds):
-            for s in sizes(8 * KB, 2 * MB):
+            for s in sizes_a:
                 for timing in ("cold", "warm"):
+                    got = {}
                     for build in (("old", "new") if r % 2 == 0 else ("new", "old")):
                         res = jobs[build].ask(what="measure", backend="nvrar", bytes=s, timing=timing,
                                               iters=iters_for(s, 2) // rounds + 10)
+                        got[build] = res["us"]
                         acc.setdefault((build, s, timing), []).extend(res["us"])
+                    round_ratios.setdefault((s, timing), []).append(stat(got["new"]) / stat(got["old"]))
             for build in ("old", "new"):
                 acc.setdefault((build, "single"), []).extend(jobs[build].ask(what="single", iters=5)["us"])
             if time.time() - t_start > args.budget_s / 2:
                 print(f"# budget: old vs new stopped after round {r + 1}", flush=True)
                 break
-        print("\n## (a) old build vs new, 2 ranks, torch float32 sum, us (per-call max over ranks)")
+        n_rounds = len(round_ratios[(sizes_a[0], "cold")])
+        print(f"\n## (a) old build vs new, 2 ranks, torch float32 sum, us (per-call max over ranks); ratio = median "
+              f"over {n_rounds} interleaved round{'s' if n_rounds != 1 else ''} of new/old{' (busy)' if busy else ''}")
         print(f"{'size':>6} {'cold old':>9} {'cold new':>9} {'ratio':>6} {'warm old':>9} {'warm new':>9} {'ratio':>6}")
-        for s in sizes(8 * KB, 2 * MB):
-            row = {"bytes": s}
+        for s in sizes_a:
+            row: Dict[str, Any] = {"bytes": s, "busy": busy}
             for timing in ("cold", "warm"):
                 o, n = (stat(acc[(b, s, timing)]) for b in ("old", "new"))
-                row[timing] = {"old_us": o, "new_us": n, "ratio": n / o}
+                rr = round_ratios[(s, timing)]
+                row[timing] = {"old_us": o, "new_us": n, "ratio": float(np.median(rr)), "round_ratios": rr}
             results["old_new"].append(row)
             c, w = row["cold"], row["warm"]
             print(f"{fmt(s):>6} {c['old_us']:9.2f} {c['new_us']:9.2f} {c['ratio']:6.2f} "
-                  f"{w['old_us']:9.2f} {w['new_us']:9.2f} {w['ratio']:6.2f}")
+                  f"{w['old_us']:9.2f} {w['new_us']:9.2f} {w['ratio']:6.2f}{mark}")
         so, sn = (stat(acc[(b, "single")]) for b in ("old", "new"))
-        results["single"] = {"old_us": so, "new_us": sn, "ratio": sn / so}
-        print(f"one rank, 8 KB torch call: old {so:.2f} us, new {sn:.2f} us, ratio {sn / so:.2f}", flush=True)
+        results["single"] = {"old_us": so, "new_us": sn, "ratio": sn / so, "busy": busy}
+        print(f"one rank, 8 KB torch call: old {so:.2f} us, new {sn:.2f} us, ratio {sn / so:.2f}{mark}", flush=True)
         jobs.pop("old").close()
 
-        # (b) peers, cold, 2 ranks then 4 ranks, 8K-16M
+        # (b) peers, cold, 2 ranks then 4 ranks (not with --busy), 8K-16M
         for s in (8 * MB, 16 * MB, 64 * MB):
             results["copy"][s] = jobs["new"].ask(what="copy", bytes=s)["gbps"]
-        for ranks in (2, 4):
+        for ranks in ((2,) if busy else (2, 4)):
             if ranks == 4:
-                jobs.pop("new").close()
+                for key in ["new", *up]:
+                    jobs.pop(key).close()
                 jobs["new4"] = Job("new4", 4, None, True, d)
+                up4 = start_peer_jobs({n: libs[n] for n in up}, 4, d, jobs)
+                peers = [b for b in peers if b not in PEERS or b in up4]
             job = jobs["new" if ranks == 2 else "new4"]
+            job_of = {b: job if b not in PEERS else jobs[b if ranks == 2 else f"{b}{ranks}"] for b in peers}
             acc = {}
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
                     for b in (peers if r % 2 == 0 else peers[::-1]):
-                        res = job.ask(what="measure", backend=b, bytes=s, timing="cold",
-                                      iters=iters_for(s, ranks) // rounds + 5)
+                        res = job_of[b].ask(what="measure", backend="mpi" if b in PEERS else b, bytes=s,
+                                            timing="cold", iters=iters_for(s, ranks) // rounds + 5)
                         acc.setdefault((b, s), []).extend(res["us"])
                 if time.time() - t_start > args.budget_s:
                     print(f"# budget: {ranks} ranks stopped after round {r + 1}", flush=True)
                     break
-            print(f"\n## (b) peers, cold, {ranks} ranks, us")
+            print(f"\n## (b) peers, cold, {ranks} ranks, us{' (busy)' if busy else ''}")
             print(f"{'size':>6} " + " ".join(f"{b:>10}" for b in peers) + "  nvrar/best-peer")
             for s in sizes(8 * KB, 16 * MB):
-                row: Dict[str, Any] = {"ranks": ranks, "bytes": s}
+                row = {"ranks": ranks, "bytes": s, "busy": busy}
                 for b in peers:
                     row[b] = stat(acc[(b, s)])
                 best = min(row[b] for b in peers if b != "nvrar")
                 row["ratio_best"] = row["nvrar"] / best
                 if "deepspeed" in row:
                     row["ratio_ds"] = row["nvrar"] / row["deepspeed"]
+                row["libraries"] = {b: libraries[b] for b in peers if b in libraries}
                 results["peers"].append(row)
-                print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers) + f"  {row['ratio_best']:.2f}")
+                print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers) + f"  {row['ratio_best']:.2f}{mark}")
             sys.stdout.flush()
     finally:
+        spinners.stop()
         for j in jobs.values():
             j.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -366,7 +509,10 @@ def coordinator(args: argparse.Namespace) -> int:
         if row["ranks"] != 2:
             continue
         s = row["bytes"]
-        if s <= 2 * MB and "ratio_ds" in row:
+        if busy:  # a busy host: nvrar no slower than the best peer, at every size
+            checks.append((f"cold 2 ranks busy {fmt(s)}: nvrar/best peer = {row['ratio_best']:.2f} <= 1.0",
+                           row["ratio_best"] <= 1.0))
+        elif s <= 2 * MB and "ratio_ds" in row:
             checks.append((f"cold 2 ranks {fmt(s)}: nvrar/deepspeed = {row['ratio_ds']:.2f} <= 0.67", row["ratio_ds"] <= 0.67))
         elif s >= 8 * MB:
             gbps = copy[s]
@@ -386,17 +532,19 @@ def coordinator(args: argparse.Namespace) -> int:
     for row in results["old_new"]:
         for timing in ("cold", "warm"):
             r = row[timing]["ratio"]
-            checks.append((f"{timing} 2 ranks {fmt(row['bytes'])}: new/old = {r:.2f} <= 1.0", r <= 1.0))
+            n = len(row[timing]["round_ratios"])
+            checks.append((f"{timing} 2 ranks{' busy' if busy else ''} {fmt(row['bytes'])}: new/old = {r:.2f} <= 1.0 "
+                           f"(median of {n} round{'s' if n != 1 else ''})", r <= 1.0))
     sr = results["single"]["ratio"]
-    checks.append((f"one rank 8 KB torch: new/old = {sr:.2f} <= 1.0 (new {results['single']['new_us']:.2f} us)",
-                   sr <= 1.0))
+    checks.append((f"one rank 8 KB torch{' busy' if busy else ''}: new/old = {sr:.2f} <= 1.0 "
+                   f"(new {results['single']['new_us']:.2f} us)", sr <= 1.0))
     print("\n## target ratios")
     for text, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
     fails = sum(1 for _, ok in checks if not ok)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(results, checks=[{"check": t, "pass": ok} for t, ok in checks]), f, indent=1)
+            json.dump(dict(results, checks=[{"check": t, "pass": ok, "busy": busy} for t, ok in checks]), f, indent=1)
     print(f"# load: {os.getloadavg()}; {time.time() - t_start:.0f} s")
     print(f"latency_check: {len(checks) - fails} passed, {fails} failed")
     return 0
@@ -412,9 +560,13 @@ def main() -> int:
     p.add_argument("--quantile", type=float, default=0.5,
                    help="statistic of the per-call times (default 0.5: the median, as the targets are stated; a "
                         "lower one, e.g. 0.2, sees through a host loaded by other work)")
+    p.add_argument("--busy", action="store_true",
+                   help="one spinning process per two ranks through the timed part (rows marked busy); the peer "
+                        "target becomes nvrar <= 1.0x the best peer at every size, 2 ranks (no 4-rank part)")
     p.add_argument("--job")
     p.add_argument("--dir")
     p.add_argument("--peers", action="store_true")
+    p.add_argument("--mpi-only", action="store_true")
     args = p.parse_args()
     if args.role == "worker":
         return worker_main(args)

@@ -136,6 +136,20 @@ VARIABLES: Dict[str, EnvVar] = {
             "supplies nvrar's platform through vllm.platform_plugins; 0 leaves vLLM as it is.",
         ),
         EnvVar(
+            "NVRAR_MPICH_PREFIX",
+            "",
+            "nvrar-bench's mpich peer (nvrar.bench.mpilibs): the directory holding MPICH's lib/libmpi.so.12 and "
+            "bin/mpiexec (pip install mpich --prefix DIR, or an installation prefix); unset, the mpich wheel's "
+            "metadata on sys.path (its environment, or DIR/lib/pythonX.Y/site-packages on PYTHONPATH).",
+        ),
+        EnvVar(
+            "NVRAR_IMPI_PREFIX",
+            "",
+            "nvrar-bench's impi peer (nvrar.bench.mpilibs): the directory holding Intel MPI's lib/libmpi.so.12 and "
+            "bin/mpiexec (pip install impi-rt==2021.16.1 --prefix DIR, or an installation prefix); unset, the "
+            "impi-rt wheel's metadata on sys.path.",
+        ),
+        EnvVar(
             "NVRAR_SGLANG",
             "0",
             "SGLang plugin (nvrar.integrations.sglang, docs/engines.md): 1 registers the HookRegistry "

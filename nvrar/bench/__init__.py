@@ -7,6 +7,12 @@
 Started bare, it launches ``--ranks`` local ranks itself (through mpirun when mpirun and mpi4py
 are installed, so that the MPI_Allreduce peer can run; else as plain processes). Under a launcher
 it is one of the ranks. Every measured configuration is verified on exact data (#wrong).
+
+    nvrar-bench --backends nvrar,mpi,mpich,impi    # MPI_Allreduce of Open MPI, MPICH, Intel MPI
+
+mpich and impi (the ``mpich`` and ``impi-rt`` wheels; NVRAR_MPICH_PREFIX / NVRAR_IMPI_PREFIX name
+a pip --prefix directory) run only from a bare start: one job per MPI library, each under its own
+mpiexec, one after the other, their rows merged into one table.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the iterations are split into this many rounds over the backends (default 4)")
     p.add_argument("--backends", default="nvrar,mpi,gloo,nccl,nvshmem",
                    help="comma list of nvrar, mpi, gloo, deepspeed (CPU peers; deepspeed: its shm "
-                        "inference_all_reduce, where DeepSpeed is installed), nccl, nvshmem (GPU peers)")
+                        "inference_all_reduce, where DeepSpeed is installed), mpich, impi (MPI_Allreduce of "
+                        "MPICH and Intel MPI: a bare start runs each as a job of its own under that library's "
+                        "mpiexec, where its wheel is installed), nccl, nvshmem (GPU peers)")
     p.add_argument("--timing", choices=["cold", "warm", "both"], default="both",
                    help="cold: a barrier before every timed call (how tensor-parallel decode calls arrive); "
                         "warm: back-to-back calls (as nccl-tests time); both (default): every row twice")
@@ -64,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of every wait, seconds (default 120)")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--launched-by", default=None, help=argparse.SUPPRESS)  # set by a bare start for its ranks
+    # set by a bare start that runs several jobs (nvrar.bench.launch): the name the mpi backend's
+    # rows take (mpich, impi), and where the job writes its JSON (the bare start merges them)
+    p.add_argument("--mpi-name", default="mpi", help=argparse.SUPPRESS)
+    p.add_argument("--job-json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
 
 

@@ -144,12 +144,18 @@ class NvrarBackend(_HostArrays):
 
 
 class MPIBackend(_HostArrays):
-    """MPI_Allreduce through mpi4py, in place."""
+    """MPI_Allreduce through mpi4py, in place. ``name``: "mpi" (the MPI library of the launcher,
+    pip's Open MPI from a bare start), or "mpich" / "impi" in a job of a bare start that runs
+    the ranks under that library's mpiexec (nvrar.bench.mpilibs); such a job checks that mpi4py
+    loaded that library."""
 
     name = "mpi"
     algorithm = "MPI_Allreduce"
+    version = ""  # short: the first line of MPI_Get_library_version() up to its first comma
+    library_version = ""  # MPI_Get_library_version(), whole
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "mpi") -> None:
+        self.name = name
         self._mpi: Any = None  # the mpi4py.MPI module once it imports
         if not mpi_launched():
             self.skip_reason = "not launched by mpirun/srun (the bare launcher uses mpirun when it is installed)"
@@ -162,7 +168,15 @@ class MPIBackend(_HostArrays):
         self._mpi = MPI
         self._comm = MPI.COMM_WORLD
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-        self.version = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+        self.library_version = MPI.Get_library_version().replace("\x00", "").strip()  # Open MPI ends it with a NUL
+        self.version = " ".join(self.library_version.splitlines()[0].split(",")[0].split())
+        from .mpilibs import PEERS
+
+        peer = PEERS.get(name)
+        if peer is not None and (peer.marker not in self.library_version
+                                 or any(f in self.library_version for f in peer.foreign)):
+            self.skip_reason = (f"mpi4py loaded {self.version!r}, not {peer.title} (MPI4PY_LIBMPI="
+                                f"{os.environ.get('MPI4PY_LIBMPI', '')})")
 
     def supports(self, dtype: str, op: str) -> Optional[str]:
         if op not in self._ops:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, TextIO
 
-__all__ = ["header_lines", "table_header", "format_rows", "write_json", "write_plot", "speedups"]
+__all__ = ["header_lines", "table_header", "format_rows", "write_json", "write_plot", "speedups", "first_line"]
 
 
 def fmt_size(n: int) -> str:
@@ -28,6 +28,14 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
         f"# memcpy bandwidth of this machine (1 core, 16 MiB copy): {meta['memcpy_gbps']:.2f} GB/s; "
         f"nvrar per-call overhead (1 rank, 8 B): {meta['call_overhead_us']:.2f} us",
     ]
+    for job in meta.get("jobs", []):  # a bare start that ran one job per MPI library (nvrar.bench.launch)
+        lines.append(f"# job {job['name']} ({','.join(job['backends'])}): {job['launcher']}"
+                     + (f", mpi4py bound to {job['libmpi']}" if job.get("libmpi") else "")
+                     + (f"; {first_line(job['library_version'])}" if job.get("library_version") else "")
+                     + ("" if job.get("exit", 0) == 0 else f"; failed, exit {job['exit']}"))
+    if meta.get("jobs"):
+        lines.append("# the jobs ran one after the other, each with the cores to itself (not interleaved with "
+                     "each other)")
     if meta.get("skipped"):
         lines.append("# skipped: " + "; ".join(f"{k} ({v})" for k, v in meta["skipped"].items()))
     lines.append("# busbw = algbw * 2(n-1)/n; speedup = best peer's time / nvrar's time at that size")
@@ -38,10 +46,15 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
 def table_header() -> List[str]:
     return [
         f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>5}  {'backend/algorithm':<26} {'time':>9} {'p99':>9} "
-        f"{'min':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'speedup':>7}",
+        f"{'min':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'speedup':>7}  library",
         f"# {'(B)':>10} {'(elements)':>10} {'':>8} {'':>5}  {'':<26} {'(us)':>9} {'(us)':>9} {'(us)':>9} "
-        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'':>7}",
+        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'':>7}  (MPI rows: MPI_Get_library_version(), first line)",
     ]
+
+
+def first_line(text: str) -> str:
+    """The first line of an MPI library's version string, its runs of blanks made one."""
+    return " ".join(text.strip().splitlines()[0].split()) if text and text.strip() else ""
 
 
 def speedups(rows: List[Dict[str, Any]]) -> Dict[int, Optional[float]]:
@@ -61,9 +74,11 @@ def format_rows(rows: List[Dict[str, Any]]) -> List[str]:
     for i, r in enumerate(rows):
         s = f"{sp[i]:.2f}x" if sp[i] is not None else "-"
         label = r.get("label") or f"{r['backend']}/{r['algorithm']}"
+        lib = first_line(r.get("library_version", ""))
         lines.append(
             f"  {r['bytes']:>10} {r['count']:>10} {r['dtype']:>8} {r['op']:>5}  {label:<26} {r['median_us']:>9.2f} "
             f"{r['p99_us']:>9.2f} {r['min_us']:>9.2f} {r['algbw_gbps']:>7.2f} {r['busbw_gbps']:>7.2f} {r['wrong']:>6} {s:>7}"
+            + (f"  {lib}" if lib else "")
         )
     return lines
 

@@ -17,6 +17,7 @@ from ..bootstrap import SingleBootstrap, mpi_launched, preload_ucx_across_hosts
 from ..communicator import Communicator
 from . import report
 from .fused import FUSED_ALGO, NvrarFusedBackend
+from .mpilibs import PEERS
 from .backends import (DTYPES, Backend, DeepSpeedBackend, GlooBackend, MPIBackend, NCCLBackend, NvrarBackend, NvshmemBackend,
                        available_cpu_model, cpu_count, gpu_model)
 
@@ -169,7 +170,7 @@ def versions(backends: List[Backend]) -> Dict[str, str]:
         v["torch"] = torch.__version__
     for b in backends:
         if isinstance(b, MPIBackend) and b.skip_reason is None:
-            v["mpi"] = b.version
+            v[b.name] = b.version
     return v
 
 
@@ -323,6 +324,8 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
             "busbw_gbps": algbw * 2 * (world - 1) / world if world > 1 else algbw,
             "wrong": wrong,
         })
+        if isinstance(b, MPIBackend):  # which MPI library: several can be in one table (nvrar.bench.launch)
+            rows[-1]["library_version"] = b.library_version
     del bufs
     return rows
 
@@ -355,6 +358,10 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     comm = Communicator(ranks_per_node=args.ranks_per_node, timeout=args.timeout, heap_bytes=heap, device=args.device)
     ctl = Control(ctl_comm, args.timeout)
     rank, world = comm.rank, comm.world_size
+    job_json = getattr(args, "job_json", None)
+    if job_json and rank == 0:  # one job of a bare start: it waits for this before its deadline
+        with open(job_json + ".ready", "w"):
+            pass
     out = sys.stdout if rank == 0 else None
     if gpu:
         import torch
@@ -371,7 +378,13 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
         if FUSED_ALGO in algorithms:
             backends.append(NvrarFusedBackend(comm))
     if "mpi" in names:
-        backends.append(MPIBackend() if args.device == "cpu" else _skip("mpi", "CPU peer; GPU runs compare NCCL"))
+        mpi_name = getattr(args, "mpi_name", "mpi")
+        backends.append(MPIBackend(mpi_name) if args.device == "cpu" else _skip(mpi_name, "CPU peer; GPU runs compare NCCL"))
+    for peer in PEERS:
+        if peer in names:  # a bare start runs these as jobs of their own (nvrar.bench.launch)
+            backends.append(_skip(peer, f"measured only by a bare start of nvrar-bench, which runs it as a job of its "
+                                        f"own under {PEERS[peer].title}'s mpiexec (one process loads one MPI library); "
+                                        f"these ranks were started by {launcher}"))
     if "gloo" in names:
         backends.append(GlooBackend(None, torch_skip) if args.device == "cpu" else _skip("gloo", "CPU peer"))
     if "deepspeed" in names:
@@ -446,10 +459,12 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
     if out:
         wrong = sum(r["wrong"] for r in results)
         print(f"# total #wrong: {wrong}", file=out)
-        if args.json:
+        if job_json:  # the bare start merges the jobs' results, writes --json and --plot
+            report.write_json(job_json, meta, results)
+        elif args.json:
             report.write_json(args.json, meta, results)
             print(f"# wrote {args.json}", file=out)
-        if args.plot:
+        if args.plot and not job_json:
             report.write_plot(args.plot, meta, results)
             print(f"# wrote {args.plot}", file=out)
         out.flush()
