@@ -44,6 +44,7 @@ struct CpuConfig {
   size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
   size_t hd_min_bytes = 0;       // inter-node shards from this size use halving-doubling (0: never)
   std::string secret;            // kSecretBytes drawn by rank 0, the same on every rank
+  std::string test_kill_at;      // testing: the NVRAR_TEST_KILL_AT point (test_kill_point), or ""
 };
 
 // The caller's hooks into a call's waits. `check` (may be null) is polled about every 50 ms so

@@ -41,6 +41,10 @@ std::pair<uint64_t, char> proc_stat(int64_t pid) {
   return {start, state};
 }
 
+void test_kill_point(const std::string& armed, const char* point) {
+  if (!armed.empty() && armed == point) kill(getpid(), SIGKILL);
+}
+
 namespace {
 
 // The inode of this process's pid namespace (0 if unknown): a pid in a segment's name means
@@ -159,8 +163,8 @@ std::string mib(unsigned long long bytes) {
 
 }  // namespace
 
-ShmHeap::ShmHeap(int rank, int world, size_t bytes)
-    : rank_(rank), world_(world), bytes_(bytes), creator_pid_(getpid()),
+ShmHeap::ShmHeap(int rank, int world, size_t bytes, const std::string& test_kill_at)
+    : rank_(rank), world_(world), bytes_(bytes), creator_pid_(getpid()), kill_at_(test_kill_at),
       bases_(static_cast<size_t>(world), nullptr),
       images_(static_cast<size_t>(world), false) {
   NVRAR_CHECK(rank >= 0 && rank < world, "ShmHeap: rank ", rank, " out of range for world ", world);
@@ -173,6 +177,7 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
   }
   NVRAR_CHECK(fd >= 0, "shm_open: could not find a free segment name");
   linked_ = true;
+  test_kill_point(kill_at_, "shm-opened");
   auto give_up = [&] {
     close(fd);
     unlink();
@@ -184,6 +189,7 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
     errno = err;
     NVRAR_CHECK_ERRNO(false, "sizing the shared-memory segment to ", bytes, " bytes failed");
   }
+  test_kill_point(kill_at_, "shm-sized");
   // Reserve every page now. A sparse segment passes any check of free space and then dies of
   // SIGBUS on first touch once /dev/shm is full (posix_fallocate returns the error code).
   int err;
@@ -204,12 +210,14 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
                 "m, or mount -o remount,size=... /dev/shm), or lower heap_bytes= (NVRAR_HEAP_BYTES, the empty() pool) "
                 "or max_bytes= (NVRAR_MAX_BYTES)");
   }
+  test_kill_point(kill_at_, "shm-reserved");
   try {
     bases_[rank_] = map_fd(fd, bytes, "my shared-memory segment");
   } catch (...) {
     give_up();
     throw;
   }
+  test_kill_point(kill_at_, "shm-mapped");
   close(fd);
 }
 
@@ -263,6 +271,7 @@ void ShmHeap::attach(const std::vector<std::string>& names) {
       throw;
     }
     close(fd);
+    test_kill_point(kill_at_, "attach-mapped");  // (with the first peer mapped)
   }
   attached_ = true;
 }

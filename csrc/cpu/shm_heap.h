@@ -30,9 +30,14 @@ namespace nvrar {
 // if unreadable. The start time tells a live process from a later one that reuses its pid.
 std::pair<uint64_t, char> proc_stat(int64_t pid);
 
+// Testing (NVRAR_TEST_KILL_AT; the names in nvrar/_setup.py KILL_POINTS): SIGKILL this process
+// where `armed` names `point`. `armed` is "" outside the tests: one comparison, at setup only.
+void test_kill_point(const std::string& armed, const char* point);
+
 class ShmHeap {
  public:
-  ShmHeap(int rank, int world, size_t bytes);
+  // test_kill_at: the NVRAR_TEST_KILL_AT point, or "" (points inside this constructor and attach).
+  ShmHeap(int rank, int world, size_t bytes, const std::string& test_kill_at);
   ~ShmHeap();
   ShmHeap(const ShmHeap&) = delete;
   ShmHeap& operator=(const ShmHeap&) = delete;
@@ -69,6 +74,7 @@ class ShmHeap {
   size_t bytes_;
   pid_t creator_pid_;
   std::string name_;
+  std::string kill_at_;
   bool linked_ = false;
   bool attached_ = false;
   std::vector<char*> bases_;
