@@ -151,6 +151,7 @@ PYBIND11_MODULE(_C, m) {
       .def("link_landings", &CpuExecutor::link_landings)
       .def("is_remote", &CpuExecutor::remote, py::arg("rank"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
+      .def("unlink_segments", &CpuExecutor::unlink_segments)
       .def("probe_cma", &CpuExecutor::probe_cma)
       .def("enable_cma", &CpuExecutor::enable_cma, py::arg("on"))
       .def_property_readonly("cma_enabled", &CpuExecutor::cma_enabled)
@@ -207,6 +208,8 @@ PYBIND11_MODULE(_C, m) {
 
   // Address of a contiguous buffer-protocol object (numpy arrays): the per-call path's cheap
   // alternative to __array_interface__, which builds a dict on every access.
+  m.def("sweep_dead_segments", &sweep_dead_segments,
+        "Unlink the shared-memory segments of this user whose creator is dead; returns how many went");
   m.def("buffer_address", [](py::handle obj) {
     Py_buffer view;
     if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_ANY_CONTIGUOUS) != 0) throw py::error_already_set();

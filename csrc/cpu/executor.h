@@ -108,6 +108,12 @@ class CpuExecutor {
   bool remote(int rank) const { return !remote_.empty() && remote_[static_cast<size_t>(rank)]; }
   void attach(const std::vector<std::string>& names);
   void unlink_segment() { heap_.unlink(); }
+  // After the barrier that follows attach (every rank has mapped every segment): unlink my
+  // segment and every peer's I mapped, so that a peer killed before its own unlink leaves nothing.
+  void unlink_segments() {
+    heap_.unlink();
+    heap_.unlink_attached();
+  }
   // Whether this rank can write into every peer's private memory (process_vm_writev). Every rank
   // must then call enable_cma with the AND over all ranks, so that all agree.
   bool probe_cma() const;
