@@ -24,7 +24,7 @@ from .errors import NvrarError
 from .settings import AGREED, SECRET_BYTES, Settings
 
 __all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device", "find_ucx", "preload_ucx",
-           "route_device", "KILL_POINTS", "NATIVE_KILL_POINTS", "kill_point", "die_at"]
+           "route_device", "sweep_dead_segments", "KILL_POINTS", "NATIVE_KILL_POINTS", "kill_point", "die_at"]
 
 UCX_EXTRA = "pip install 'nvrar[ucx]'"
 
@@ -207,8 +207,9 @@ def _host_indices(hosts: Sequence[str]) -> List[int]:
 
 def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: bytes, kill_at: str = "") -> Any:
     """The CPU executor, attached to every rank's segment on this host and, across hosts,
-    connected over UCX to the ranks of the others (on failure: nothing left behind).
-    ``kill_at``: kill_point()."""
+    connected over UCX to the ranks of the others. On failure this rank's segment is unlinked;
+    those of ranks that died during the set-up go with sweep_dead_segments() (the Communicator
+    runs it wherever its set-up failed). ``kill_at``: kill_point()."""
     from . import _C
 
     if len(secret) != SECRET_BYTES:
@@ -227,22 +228,22 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
     if why:
         created["error"] = (f"ranks run on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}) and the CPU "
                             f"executor reaches other hosts over UCX, but {why}")
-    die_at(kill_at, "before-executor")
     try:
-        if not why:
-            ex = _C.CpuExecutor(
-                rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
-                oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
-                jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
-                cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
-                hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "")
-            created["segment"] = ex.segment_name
-            if multi:
-                dev = route_device(os.environ.get("MASTER_ADDR"))
-                created["link"] = ex.open_hosts(libucp, host_of, dev).hex()
-    except NvrarError as exc:
-        created["error"] = str(exc)
-    try:
+        die_at(kill_at, "before-executor")
+        try:
+            if not why:
+                ex = _C.CpuExecutor(
+                    rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
+                    oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
+                    jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
+                    cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
+                    hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "")
+                created["segment"] = ex.segment_name
+                if multi:
+                    dev = route_device(os.environ.get("MASTER_ADDR"))
+                    created["link"] = ex.open_hosts(libucp, host_of, dev).hex()
+        except NvrarError as exc:
+            created["error"] = str(exc)
         die_at(kill_at, "before-segment")
         everyone = boot.allgather_json(created, "segment")
         die_at(kill_at, "after-segment")
@@ -262,7 +263,10 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
         die_at(kill_at, "before-attach-status")
         statuses = boot.allgather_json(status, "attach status")
         die_at(kill_at, "after-attach-status")
-        ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
+        # Every rank has mapped every segment (or failed trying): the names go, this rank's and
+        # every one it mapped, so that a rank killed now, before its own unlink, leaves nothing
+        # (the others complete their set-up and meet its death in their first call).
+        ex.unlink_segments()
         die_at(kill_at, "after-unlink")
         _raise_failed(statuses)
         # Cross-memory access only if every rank can reach every other (all decide alike).
@@ -273,6 +277,17 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
             ex.close()
         raise
     return ex
+
+
+def sweep_dead_segments() -> None:
+    """Unlink this user's segments in /dev/shm whose creator is dead: a rank killed during a set-up
+    leaves its own (it never reached its unlink). Run by the ranks of a failed CPU set-up before
+    they raise, so that nothing of it is left once they have (the next set-up would run it too)."""
+    from . import _C
+
+    removed = _C.sweep_dead_segments()
+    if removed:
+        _log.info("nvrar: removed %d shared-memory segment(s) of ranks that died during set-up", removed)
 
 
 def _connect_hosts(boot: Any, ex: Any, blobs: List[bytes], timeout: float) -> None:

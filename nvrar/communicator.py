@@ -156,6 +156,10 @@ class Communicator:
                     self._ex.unlink_segment()
                 self._ex.close()
                 self._ex = None
+            if device == "cpu":
+                # A rank killed during this set-up (which may be why it failed) left its segment in
+                # /dev/shm: gone before this rank raises, wherever the set-up failed.
+                _setup.sweep_dead_segments()
             self._closed = True
             raise
         finally:
