@@ -1,7 +1,7 @@
 """A rank killed (SIGKILL) at any point of a CPU communicator's set-up: every survivor raises
-nvrar's error naming its rank and the phase within its deadline (or, killed late enough, the
-survivors complete their set-up and their first call raises), and once they have exited nothing
-of that set-up is left in /dev/shm. The points are nvrar._setup.KILL_POINTS, reached through
+nvrar's error naming its rank and the phase within its deadline, at once where rank 0 (which serves
+the store) died (or, killed late enough, the survivors complete their set-up and their first call
+raises), and once they have exited nothing of that set-up is left in /dev/shm. The points are nvrar._setup.KILL_POINTS, reached through
 NVRAR_TEST_KILL_AT; the ranks are plain numpy processes (no torch) bootstrapping through nvrar's
 own store, in a private /dev/shm (a mount namespace with a tmpfs of its own), so that no other
 test's set-up sweeps a leak away and a leak disturbs no other test."""
@@ -28,9 +28,12 @@ SCENARIOS = 20
 LANES = 2          # scenarios run two at a time, each lane in a mount namespace and /dev/shm of its own
 TIMEOUT_S = 3.0    # the ranks' deadline (timeout=)
 MARGIN_S = 4.0     # what a survivor may take beyond it (process start on a loaded 2-core host)
+PROMPT_S = 2.0     # rank 0 dead once every rank reached its store: the survivors raise at once, not at the deadline
 WALL_S = 120.0     # the whole test
 # From this point on, the survivors may complete their set-up (KILL_POINTS' comment).
 LATE = _setup.KILL_POINTS.index("after-attach-status")
+# From this point on, every rank has connected to rank 0's store (rank 0 has every rank's settings).
+CONNECTED = _setup.KILL_POINTS.index("after-settings")
 
 # One rank: a plain process that imports nvrar and numpy only; reports what its set-up and its
 # first call did (one JSON line).
@@ -150,7 +153,19 @@ def check_survivor(sc: dict, r: int, rank: dict) -> list:
                    f"phase={err['phase']}): {msg}")
     if err["elapsed"] > TIMEOUT_S + MARGIN_S:
         bad.append(f"rank {r} raised after {err['elapsed']:.1f} s (deadline {TIMEOUT_S} s + {MARGIN_S} s): {msg}")
+    if sc["victim"] == 0 and _setup.KILL_POINTS.index(sc["point"]) >= CONNECTED and err["elapsed"] > PROMPT_S:
+        bad.append(f"rank {r} raised {err['elapsed']:.1f} s after it started, though rank 0 (its store) died: {msg}")
     return bad
+
+
+def outcome_of(rank: dict, victim: bool) -> str:
+    rep = rank["report"] or {}
+    if victim:
+        return "killed"
+    for key, what in (("setup_error", "set-up raised"), ("call_error", "call raised")):
+        if key in rep:
+            return f"{what} after {rep[key]['elapsed']:.1f} s"
+    return "?"
 
 
 def test_kill_points_are_in_the_code():
@@ -199,10 +214,7 @@ def test_a_rank_killed_anywhere_in_setup_leaves_nothing():
                 bad += check_survivor(sc, r, rank)
         if sc["left"]:
             bad.append(f"left in /dev/shm: {sc['left']}")
-        outcome = "; ".join(f"rank {r}: " + ("killed" if r == sc["victim"] else
-                                              "set-up raised" if (rank["report"] or {}).get("setup_error") else
-                                              "call raised" if (rank["report"] or {}).get("call_error") else "?")
-                            for r, rank in enumerate(sc["ranks"]))
+        outcome = "; ".join(f"rank {r}: {outcome_of(rank, r == sc['victim'])}" for r, rank in enumerate(sc["ranks"]))
         print(f"{what}: {sc['wall']:.1f} s; {outcome}" + (f"  <-- {len(bad)} problem(s)" if bad else ""))
         problems += [f"{what}: {b}" for b in bad]
     reached = {sc["point"] for sc in results}
