@@ -93,7 +93,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
                        size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
                        size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes, py::bytes secret,
-                       size_t hd_min_bytes) {
+                       size_t hd_min_bytes, const std::string& test_kill_at) {
              CpuConfig c;
              c.rank = rank;
              c.world = world;
@@ -110,12 +110,13 @@ PYBIND11_MODULE(_C, m) {
              c.ll_max_bytes = ll_max_bytes;
              c.secret = secret;
              c.hd_min_bytes = hd_min_bytes;
+             c.test_kill_at = test_kill_at;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us"),
            py::arg("jitter_seed"), py::arg("cma"), py::arg("cma_min_bytes"), py::arg("cma_piece_bytes"),
-           py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"), py::arg("hd_min_bytes"))
+           py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"), py::arg("hd_min_bytes"), py::arg("test_kill_at"))
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def(
@@ -151,6 +152,7 @@ PYBIND11_MODULE(_C, m) {
       .def("link_landings", &CpuExecutor::link_landings)
       .def("is_remote", &CpuExecutor::remote, py::arg("rank"))
       .def("unlink_segment", &CpuExecutor::unlink_segment)
+      .def("unlink_segments", &CpuExecutor::unlink_segments)
       .def("probe_cma", &CpuExecutor::probe_cma)
       .def("enable_cma", &CpuExecutor::enable_cma, py::arg("on"))
       .def_property_readonly("cma_enabled", &CpuExecutor::cma_enabled)
@@ -207,6 +209,8 @@ PYBIND11_MODULE(_C, m) {
 
   // Address of a contiguous buffer-protocol object (numpy arrays): the per-call path's cheap
   // alternative to __array_interface__, which builds a dict on every access.
+  m.def("sweep_dead_segments", &sweep_dead_segments,
+        "Unlink the shared-memory segments of this user whose creator is dead; returns how many went");
   m.def("buffer_address", [](py::handle obj) {
     Py_buffer view;
     if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_ANY_CONTIGUOUS) != 0) throw py::error_already_set();

@@ -14,6 +14,7 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import sys
@@ -23,17 +24,47 @@ from .errors import NvrarError
 from .settings import AGREED, SECRET_BYTES, Settings
 
 __all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device", "find_ucx", "preload_ucx",
-           "route_device"]
+           "route_device", "sweep_dead_segments", "KILL_POINTS", "NATIVE_KILL_POINTS", "kill_point", "die_at"]
 
 UCX_EXTRA = "pip install 'nvrar[ucx]'"
 
 _log = logging.getLogger("nvrar")
 
+# Testing (tests/test_setup_faults.py): the points of a CPU communicator's set-up, in the order a
+# rank passes them, where NVRAR_TEST_KILL_AT=<point> makes it SIGKILL itself. NATIVE_KILL_POINTS
+# lie in csrc/cpu (ShmHeap's constructor between shm_open, ftruncate, posix_fallocate and mmap;
+# the executor's constructor; attach with the first peer mapped), the others in Communicator's
+# constructor and here, around every exchange. From "after-attach-status" on, the other ranks
+# may complete their set-up (the dead rank is then met by their first call).
+KILL_POINTS = ("bootstrap", "before-settings", "after-settings", "before-executor", "shm-opened", "shm-sized",
+               "shm-reserved", "shm-mapped", "executor-built", "before-segment", "after-segment", "attach-mapped",
+               "before-attach-status", "after-attach-status", "after-unlink", "before-close", "constructed")
+NATIVE_KILL_POINTS = frozenset({"shm-opened", "shm-sized", "shm-reserved", "shm-mapped", "executor-built",
+                                "attach-mapped"})
 
-def exchange(boot: Any, settings: Optional[Settings], env_error: str, single_host: bool) -> Tuple[int, bytes]:
+
+def kill_point() -> Tuple[str, str]:
+    """(the point NVRAR_TEST_KILL_AT names, "") or ("", why it is bad); "" where it is unset. Read
+    once per set-up (Communicator's constructor): nothing of it is left on the call path."""
+    from . import env
+
+    point = (env.get_str("NVRAR_TEST_KILL_AT") or "").strip()
+    if point and point not in KILL_POINTS:
+        return "", f"NVRAR_TEST_KILL_AT={point!r}: expected one of {', '.join(KILL_POINTS)}"
+    return point, ""
+
+
+def die_at(armed: str, point: str) -> None:
+    """Testing: SIGKILL this process where ``armed`` (kill_point()) names ``point``."""
+    if armed == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exchange(boot: Any, settings: Optional[Settings], env_error: str, single_host: bool,
+             kill_at: str = "") -> Tuple[int, bytes]:
     """Exchange every rank's settings (or its error in them), host and launcher; returns the
     ranks per node every rank agrees on and rank 0's session secret (ValueError / NvrarError,
-    alike on every rank, if they do not agree)."""
+    alike on every rank, if they do not agree). ``kill_at``: kill_point()."""
     mine = {
         "host": socket.gethostname(),
         "launcher": boot.launcher_local_size,
@@ -42,7 +73,9 @@ def exchange(boot: Any, settings: Optional[Settings], env_error: str, single_hos
         # The session secret every rank's segment carries and every attaching rank checks.
         "secret": os.urandom(SECRET_BYTES).hex() if boot.rank == 0 else "",
     }
+    die_at(kill_at, "before-settings")
     infos = boot.allgather_json(mine, "settings")
+    die_at(kill_at, "after-settings")
     boot.hosts = [str(i["host"]) for i in infos]  # for setup_cpu: which ranks share a host
     bad = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
     if bad:
@@ -172,9 +205,11 @@ def _host_indices(hosts: Sequence[str]) -> List[int]:
     return [order.setdefault(h, len(order)) for h in hosts]
 
 
-def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: bytes) -> Any:
+def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: bytes, kill_at: str = "") -> Any:
     """The CPU executor, attached to every rank's segment on this host and, across hosts,
-    connected over UCX to the ranks of the others (on failure: nothing left behind)."""
+    connected over UCX to the ranks of the others. On failure this rank's segment is unlinked;
+    those of ranks that died during the set-up go with sweep_dead_segments() (the Communicator
+    runs it wherever its set-up failed). ``kill_at``: kill_point()."""
     from . import _C
 
     if len(secret) != SECRET_BYTES:
@@ -194,21 +229,24 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
         created["error"] = (f"ranks run on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}) and the CPU "
                             f"executor reaches other hosts over UCX, but {why}")
     try:
-        if not why:
-            ex = _C.CpuExecutor(
-                rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
-                oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
-                jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
-                cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
-                hd_min_bytes=st.hd_min(multi))
-            created["segment"] = ex.segment_name
-            if multi:
-                dev = route_device(os.environ.get("MASTER_ADDR"))
-                created["link"] = ex.open_hosts(libucp, host_of, dev).hex()
-    except NvrarError as exc:
-        created["error"] = str(exc)
-    try:
+        die_at(kill_at, "before-executor")
+        try:
+            if not why:
+                ex = _C.CpuExecutor(
+                    rank=rank, world=world, ranks_per_node=G, max_bytes=st.max_bytes, pool_bytes=st.heap_bytes,
+                    oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
+                    jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
+                    cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
+                    hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "")
+                created["segment"] = ex.segment_name
+                if multi:
+                    dev = route_device(os.environ.get("MASTER_ADDR"))
+                    created["link"] = ex.open_hosts(libucp, host_of, dev).hex()
+        except NvrarError as exc:
+            created["error"] = str(exc)
+        die_at(kill_at, "before-segment")
         everyone = boot.allgather_json(created, "segment")
+        die_at(kill_at, "after-segment")
         _raise_failed(everyone)
         assert ex is not None
         mine = host_of[rank]
@@ -222,8 +260,14 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
             status["cma"] = bool(ex.probe_cma())
         except NvrarError as exc:
             status["error"] = str(exc)
+        die_at(kill_at, "before-attach-status")
         statuses = boot.allgather_json(status, "attach status")
-        ex.unlink_segment()  # every rank has mapped every segment (or failed trying)
+        die_at(kill_at, "after-attach-status")
+        # Every rank has mapped every segment (or failed trying): the names go, this rank's and
+        # every one it mapped, so that a rank killed now, before its own unlink, leaves nothing
+        # (the others complete their set-up and meet its death in their first call).
+        ex.unlink_segments()
+        die_at(kill_at, "after-unlink")
         _raise_failed(statuses)
         # Cross-memory access only if every rank can reach every other (all decide alike).
         ex.enable_cma(all(s["cma"] for s in statuses))
@@ -233,6 +277,17 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
             ex.close()
         raise
     return ex
+
+
+def sweep_dead_segments() -> None:
+    """Unlink this user's segments in /dev/shm whose creator is dead: a rank killed during a set-up
+    leaves its own (it never reached its unlink). Run by the ranks of a failed CPU set-up before
+    they raise, so that nothing of it is left once they have (the next set-up would run it too)."""
+    from . import _C
+
+    removed = _C.sweep_dead_segments()
+    if removed:
+        _log.info("nvrar: removed %d shared-memory segment(s) of ranks that died during set-up", removed)
 
 
 def _connect_hosts(boot: Any, ex: Any, blobs: List[bytes], timeout: float) -> None:

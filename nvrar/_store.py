@@ -207,6 +207,9 @@ class StoreServer:
         self._cond = threading.Condition()
         self._done: Set[int] = set()
         self._connected: Set[int] = set()
+        # Ranks whose connection closed without "done": dead (or failed and gone); there is nothing
+        # left to serve them, so wait_closed does not wait for them.
+        self._gone: Set[int] = set()
         self._pending = 0
         self.refused: List[str] = []  # why connections were refused (the first few), for rank 0's errors
         self._expected = expected_clients
@@ -333,6 +336,7 @@ class StoreServer:
             if rank in self._connected:
                 raise _Malformed(f"rank {rank} is already connected (two processes started with RANK={rank}?)")
             self._connected.add(rank)
+            self._gone.discard(rank)
         return rank
 
     def _note_refused(self, why: str) -> None:
@@ -344,6 +348,8 @@ class StoreServer:
         with self._cond:
             if rank is not None and rank not in self._done:
                 self._connected.discard(rank)
+                self._gone.add(rank)
+                self._cond.notify_all()
 
     def _serve(self, conn: socket.socket, same_user: bool) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -408,10 +414,12 @@ class StoreServer:
             conn.close()
 
     def wait_closed(self, timeout: float) -> None:
-        """Wait (bounded) until every client said done, then stop listening."""
+        """Wait (bounded) until every client said done or is gone (its connection closed without a
+        done: a rank that died after the last exchange does not hold rank 0 to the deadline), then
+        stop listening."""
         end = time.monotonic() + timeout
         with self._cond:
-            while len(self._done) < self._expected and time.monotonic() < min(end, self._deadline):
+            while len(self._done | self._gone) < self._expected and time.monotonic() < min(end, self._deadline):
                 self._cond.wait(0.05)
             self._expected = 0  # stop the acceptor even on timeout
         try:
@@ -517,7 +525,8 @@ class StoreClient:
 
     def _lost(self, exc: Exception) -> NvrarError:
         return NvrarTimeoutError(
-            f"bootstrap: rank {self._rank} lost the rendezvous store at {self._where} ({exc}); rank 0 probably exited",
+            f"bootstrap: rank {self._rank} lost the rendezvous store at {self._where} ({exc}); rank 0, which serves "
+            "it, probably exited",
             rank=self._rank, peer=0, phase="bootstrap", kind="timeout",
         )
 

@@ -90,6 +90,8 @@ class Bootstrap:
         # Every rank's host name, once the settings exchange ran (nvrar._setup.exchange): the CPU
         # executor reaches the ranks of other hosts over UCX.
         self.hosts: Optional[List[str]] = None
+        # The exchange under way ("settings", "segment", ...), for the errors of allgather.
+        self.exchange = ""
 
     @property
     def launcher_local_size(self) -> Optional[int]:
@@ -104,11 +106,32 @@ class Bootstrap:
     def allgather_json(self, obj: Any, what: str) -> List[Any]:
         """All-gather of a JSON-able value; a rank's value that does not decode raises NvrarError
         naming that rank and ``what`` (never a bare UnicodeDecodeError / JSONDecodeError)."""
-        return [self._decode(r, v, what, json=True) for r, v in enumerate(self.allgather(_json.dumps(obj).encode()))]
+        return [self._decode(r, v, what, json=True) for r, v in enumerate(self._gather(_json.dumps(obj).encode(), what))]
 
     def allgather_str(self, text: str, what: str) -> List[str]:
         """All-gather of a string, decoded like :meth:`allgather_json`."""
-        return [self._decode(r, v, what, json=False) for r, v in enumerate(self.allgather(text.encode()))]
+        return [self._decode(r, v, what, json=False) for r, v in enumerate(self._gather(text.encode(), what))]
+
+    def _gather(self, value: bytes, what: str) -> List[bytes]:
+        """allgather(value) as the exchange ``what``: a failure of the transport underneath
+        (torch.distributed, mpi4py: a peer that died, a store that went away) raises NvrarError
+        naming this rank, the exchange and the bootstrap, never the transport's bare exception."""
+        self.exchange = what
+        try:
+            return self.allgather(value)
+        except NvrarError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch's and MPI's errors come in many types
+            raise NvrarError(
+                f"bootstrap: rank {self.rank}: the {what} exchange over the {self.kind} bootstrap failed "
+                f"({type(exc).__name__}: {exc}); a rank probably exited", rank=self.rank, phase="bootstrap",
+            ) from exc
+        finally:
+            self.exchange = ""
+
+    def _in_exchange(self, step: int) -> str:
+        """Where an allgather is, for its errors: "the segment exchange, rendezvous round 3"."""
+        return f"the {self.exchange} exchange, rendezvous round {step}" if self.exchange else f"rendezvous round {step}"
 
     def _decode(self, r: int, value: bytes, what: str, json: bool) -> Any:
         try:
@@ -176,9 +199,10 @@ class MPIBootstrap(Bootstrap):
         delay = 1e-5
         while not req.Test():
             if time.monotonic() > deadline:
+                where = f" of the {self.exchange} exchange" if self.exchange else ""
                 raise NvrarTimeoutError(
-                    f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s in MPI {what}; some rank never arrived",
-                    rank=self.rank, phase="bootstrap", kind="timeout",
+                    f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s in MPI {what}{where}; some rank never "
+                    "arrived", rank=self.rank, phase="bootstrap", kind="timeout",
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
@@ -291,20 +315,27 @@ class StoreBootstrap(Bootstrap):
     def allgather(self, value: bytes) -> List[bytes]:
         self._round += 1
         base = f"{self._prefix}/{self._round}/".encode()
-        self._client.set(base + str(self.rank).encode(), value)
         deadline = time.monotonic() + self.timeout
         out = []
-        for r in range(self.world_size):
-            got = self._client.get(base + str(r).encode(), max(0.0, deadline - time.monotonic()))
-            if got is None:
-                refused = self._server.refused if self._server is not None else []
-                raise NvrarTimeoutError(
-                    f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s for rank {r} at rendezvous round "
-                    f"{self._round}; rank {r} never arrived (dead, or launched with other RANK/WORLD_SIZE?)"
-                    + (f"; the store refused connections: {'; '.join(refused)}" if refused else ""),
-                    rank=self.rank, peer=r, phase="bootstrap", step=self._round, kind="timeout",
-                )
-            out.append(got)
+        try:
+            self._client.set(base + str(self.rank).encode(), value)
+            for r in range(self.world_size):
+                got = self._client.get(base + str(r).encode(), max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    break
+                out.append(got)
+        except NvrarError as exc:  # the store refused us or went away (rank 0, serving it, died?)
+            raise type(exc)(f"{exc} (rank {self.rank} was in {self._in_exchange(self._round)})", rank=exc.rank,
+                            peer=exc.peer, phase=exc.phase, step=self._round, kind=exc.kind) from None
+        if len(out) < self.world_size:
+            r = len(out)
+            refused = self._server.refused if self._server is not None else []
+            raise NvrarTimeoutError(
+                f"bootstrap: rank {self.rank} waited {self.timeout:.0f} s for rank {r} in "
+                f"{self._in_exchange(self._round)}: rank {r} never arrived (dead, or launched with other "
+                "RANK/WORLD_SIZE?)" + (f"; the store refused connections: {'; '.join(refused)}" if refused else ""),
+                rank=self.rank, peer=r, phase="bootstrap", step=self._round, kind="timeout",
+            )
         return out
 
     def close(self) -> None:

@@ -123,11 +123,14 @@ class Communicator:
             env_error = ""
         except ValueError as exc:
             st, env_error = None, str(exc)
+        kill_at, kill_error = _setup.kill_point()  # testing: NVRAR_TEST_KILL_AT, "" where unset
+        env_error = env_error or kill_error
         boot_timeout = st.timeout_s if st is not None else (timeout or _config.TIMEOUT_S)
+        _setup.die_at(kill_at, "bootstrap")
         boot = _bootstrap.create(group, boot_timeout)
         try:
             self._rank, self._world = boot.rank, boot.world_size
-            G, secret = _setup.exchange(boot, st, env_error, single_host=device == "cpu")
+            G, secret = _setup.exchange(boot, st, env_error, single_host=device == "cpu", kill_at=kill_at)
             assert st is not None  # a rank without settings has raised in the exchange
             self._G = G
             self._algorithm = selector.algorithm_code(st.algorithm)
@@ -141,17 +144,22 @@ class Communicator:
                 if cma_min != st.cma_min_bytes:
                     st = dataclasses.replace(st, cma_min_bytes=cma_min)
                     self._settings = st
-                self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret)
+                self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret, kill_at=kill_at)
                 if hosts and len(set(hosts)) > 1:  # what setup_cpu built the executor with
                     self._settings = st.across_hosts()
             else:
                 self._ex, self._cuda_device = _setup.setup_gpu(boot, self._rank, self._world, G, st)
+            _setup.die_at(kill_at, "before-close")
         except BaseException:
             if self._ex is not None:
                 if device == "cpu":
                     self._ex.unlink_segment()
                 self._ex.close()
                 self._ex = None
+            if device == "cpu":
+                # A rank killed during this set-up (which may be why it failed) left its segment in
+                # /dev/shm: gone before this rank raises, wherever the set-up failed.
+                _setup.sweep_dead_segments()
             self._closed = True
             raise
         finally:
@@ -162,6 +170,7 @@ class Communicator:
         self._pool_base = self._ex.pool_address
         self._all_reduce = self._ex.all_reduce  # bound once: the per-call path stays short
         _live.add(self)
+        _setup.die_at(kill_at, "constructed")
 
     # -- properties ---------------------------------------------------------------------------
     @property

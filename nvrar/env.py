@@ -116,6 +116,12 @@ VARIABLES: Dict[str, EnvVar] = {
         ),
         EnvVar("NVRAR_JITTER_SEED", str(_defaults.JITTER_SEED), "Testing: seed of the jitter generator (mixed with the rank)."),
         EnvVar(
+            "NVRAR_TEST_KILL_AT",
+            "",
+            "Testing: the rank SIGKILLs itself at this point of a CPU communicator's set-up, one of "
+            "nvrar._setup.KILL_POINTS (tests/test_setup_faults.py); read once per set-up.",
+        ),
+        EnvVar(
             "NVRAR_CMA",
             str(int(_defaults.CMA)),
             "CPU executor: 1 lets ranks write result shards straight into each other's private output "

@@ -21,6 +21,21 @@ WORKER = os.path.join(HERE, "_worker.py")
 KILL_GRACE_S = 5.0
 
 
+def private_shm_prefix() -> Tuple[Optional[List[str]], str]:
+    """(a command prefix that runs its command in a private mount namespace where it may mount a
+    tmpfs on /dev/shm, "") or (None, why none can be made here)."""
+    if shutil.which("unshare") is None:
+        return None, "unshare (util-linux) is not installed: cannot build a private /dev/shm"
+    why = []
+    for prefix in (["unshare", "-m", "--propagation", "private"], ["unshare", "-r", "-m", "--propagation", "private"]):
+        probe = subprocess.run(prefix + ["sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True,
+                               text=True, timeout=30)
+        if probe.returncode == 0:
+            return prefix, ""
+        why.append(f"{' '.join(prefix)}: {probe.stderr.strip()[-200:]}")
+    return None, "cannot mount a private tmpfs on /dev/shm (" + "; ".join(why) + ")"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import time
 import pytest
 
 import nvrar
-from _launch import free_port
+from _launch import free_port, private_shm_prefix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -23,16 +22,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _private_mount_namespace() -> list:
     """A command prefix that runs its command in a private mount namespace where it may mount a
     tmpfs on /dev/shm; pytest.skip with the reason where none can be made."""
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare (util-linux) is not installed: cannot build a private /dev/shm")
-    why = []
-    for prefix in (["unshare", "-m", "--propagation", "private"], ["unshare", "-r", "-m", "--propagation", "private"]):
-        probe = subprocess.run(prefix + ["sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True,
-                               text=True, timeout=30)
-        if probe.returncode == 0:
-            return prefix
-        why.append(f"{' '.join(prefix)}: {probe.stderr.strip()[-200:]}")
-    pytest.skip("cannot mount a private tmpfs on /dev/shm (" + "; ".join(why) + ")")
+    prefix, why = private_shm_prefix()
+    if prefix is None:
+        pytest.skip(why)
+    return prefix
 
 
 # Run inside the namespace: mount the short /dev/shm, start the ranks, report what each did and

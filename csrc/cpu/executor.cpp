@@ -86,7 +86,7 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
     : cfg_(checked(cfg)),
       where_(Layout::make(cfg_.world, cfg_.ranks_per_node, cfg_.rank)),
       layout_(make_layout(cfg_)),
-      heap_(cfg_.rank, cfg_.world, layout_.total_bytes),
+      heap_(cfg_.rank, cfg_.world, layout_.total_bytes, cfg_.test_kill_at),
       peer_start_times_(static_cast<size_t>(cfg_.world), 0) {
   auto* h = reinterpret_cast<SegmentHeader*>(heap_.mine());
   h->magic = kMagic;
@@ -127,6 +127,7 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
                            cfg_.hd_min_bytes, true};
   limits_ = CallLimits{cfg_.world, where_.N, cfg_.max_bytes, cfg_.oneshot_max_bytes, layout_.oneshot_chunk_bytes(),
                        1, 0, reinterpret_cast<uintptr_t>(pool_base()), layout_.pool_bytes};
+  test_kill_point(cfg_.test_kill_at, "executor-built");
 }
 
 void CpuExecutor::enable_cma(bool on) {

@@ -44,6 +44,7 @@ struct CpuConfig {
   size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
   size_t hd_min_bytes = 0;       // inter-node shards from this size use halving-doubling (0: never)
   std::string secret;            // kSecretBytes drawn by rank 0, the same on every rank
+  std::string test_kill_at;      // testing: the NVRAR_TEST_KILL_AT point (test_kill_point), or ""
 };
 
 // The caller's hooks into a call's waits. `check` (may be null) is polled about every 50 ms so
@@ -108,6 +109,12 @@ class CpuExecutor {
   bool remote(int rank) const { return !remote_.empty() && remote_[static_cast<size_t>(rank)]; }
   void attach(const std::vector<std::string>& names);
   void unlink_segment() { heap_.unlink(); }
+  // After the barrier that follows attach (every rank has mapped every segment): unlink my
+  // segment and every peer's I mapped, so that a peer killed before its own unlink leaves nothing.
+  void unlink_segments() {
+    heap_.unlink();
+    heap_.unlink_attached();
+  }
   // Whether this rank can write into every peer's private memory (process_vm_writev). Every rank
   // must then call enable_cma with the AND over all ranks, so that all agree.
   bool probe_cma() const;

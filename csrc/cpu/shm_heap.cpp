@@ -22,7 +22,8 @@
 
 namespace nvrar {
 
-std::pair<uint64_t, char> proc_stat(int64_t pid) {
+std::pair<uint64_t, char> proc_stat(int64_t pid, uint64_t* flags) {
+  if (flags != nullptr) *flags = 0;
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
   std::ifstream f(path);
@@ -36,9 +37,14 @@ std::pair<uint64_t, char> proc_stat(int64_t pid) {
   uint64_t start = 0;
   for (int field = 3; field <= 22 && (is >> tok); ++field) {
     if (field == 3) state = tok.empty() ? 0 : tok[0];
+    if (field == 9 && flags != nullptr) *flags = std::strtoull(tok.c_str(), nullptr, 10);
     if (field == 22) start = std::strtoull(tok.c_str(), nullptr, 10);
   }
   return {start, state};
+}
+
+void test_kill_point(const std::string& armed, const char* point) {
+  if (!armed.empty() && armed == point) kill(getpid(), SIGKILL);
 }
 
 namespace {
@@ -113,15 +119,19 @@ bool parse_name(const std::string& name, NameFields* f) {
 }
 
 constexpr time_t kOrphanAgeS = 3600;  // a segment of unknown creator this old outlived any setup
+constexpr uint64_t kPfExiting = 0x4;  // PF_EXITING (linux/sched.h): the process is in exit(), for good
+
+}  // namespace
 
 // Unlink the segments that processes of this user left behind by dying during setup. A creator
-// of this pid namespace is dead when its pid is gone, is a zombie, or now names a process with
-// another start time: its segment goes at once. A creator we cannot check (another pid
-// namespace, a name of an earlier version) is presumed dead once its segment is an hour old and
-// its pid is absent here.
-void sweep_orphans() {
+// of this pid namespace is dead when its pid is gone, is a zombie, is exiting (set before it closes
+// a file: a survivor that saw its sockets close sees it), or now names a process with another
+// start time: its segment goes at once. A creator we cannot check (another pid namespace, a name
+// of an earlier version) is presumed dead once its segment is an hour old and its pid is absent here.
+int sweep_dead_segments() {
   DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return;
+  if (dir == nullptr) return 0;
+  int removed = 0;
   const time_t now = time(nullptr);
   const uint64_t my_ns = pid_namespace();
   while (struct dirent* ent = readdir(dir)) {
@@ -133,15 +143,19 @@ void sweep_orphans() {
     if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) continue;
     bool dead;
     if (f.ns != 0 && f.ns == my_ns && f.start != 0) {
-      const auto ps = proc_stat(f.pid);
-      dead = ps.first != f.start || ps.second == 'Z' || ps.second == 'X';
+      uint64_t flags = 0;
+      const auto ps = proc_stat(f.pid, &flags);
+      dead = ps.first != f.start || ps.second == 'Z' || ps.second == 'X' || (flags & kPfExiting) != 0;
     } else {
       dead = now - st.st_mtime >= kOrphanAgeS && kill(static_cast<pid_t>(f.pid), 0) != 0 && errno == ESRCH;
     }
-    if (dead) shm_unlink(("/" + name).c_str());
+    if (dead && shm_unlink(("/" + name).c_str()) == 0) ++removed;
   }
   closedir(dir);
+  return removed;
 }
+
+namespace {
 
 char* map_fd(int fd, size_t bytes, const std::string& what) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -159,12 +173,12 @@ std::string mib(unsigned long long bytes) {
 
 }  // namespace
 
-ShmHeap::ShmHeap(int rank, int world, size_t bytes)
-    : rank_(rank), world_(world), bytes_(bytes), creator_pid_(getpid()),
+ShmHeap::ShmHeap(int rank, int world, size_t bytes, const std::string& test_kill_at)
+    : rank_(rank), world_(world), bytes_(bytes), creator_pid_(getpid()), kill_at_(test_kill_at),
       bases_(static_cast<size_t>(world), nullptr),
       images_(static_cast<size_t>(world), false) {
   NVRAR_CHECK(rank >= 0 && rank < world, "ShmHeap: rank ", rank, " out of range for world ", world);
-  sweep_orphans();  // first: their space counts against the reservation below
+  sweep_dead_segments();  // first: their space counts against the reservation below
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
     name_ = random_name();
@@ -173,6 +187,7 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
   }
   NVRAR_CHECK(fd >= 0, "shm_open: could not find a free segment name");
   linked_ = true;
+  test_kill_point(kill_at_, "shm-opened");
   auto give_up = [&] {
     close(fd);
     unlink();
@@ -184,6 +199,7 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
     errno = err;
     NVRAR_CHECK_ERRNO(false, "sizing the shared-memory segment to ", bytes, " bytes failed");
   }
+  test_kill_point(kill_at_, "shm-sized");
   // Reserve every page now. A sparse segment passes any check of free space and then dies of
   // SIGBUS on first touch once /dev/shm is full (posix_fallocate returns the error code).
   int err;
@@ -204,12 +220,14 @@ ShmHeap::ShmHeap(int rank, int world, size_t bytes)
                 "m, or mount -o remount,size=... /dev/shm), or lower heap_bytes= (NVRAR_HEAP_BYTES, the empty() pool) "
                 "or max_bytes= (NVRAR_MAX_BYTES)");
   }
+  test_kill_point(kill_at_, "shm-reserved");
   try {
     bases_[rank_] = map_fd(fd, bytes, "my shared-memory segment");
   } catch (...) {
     give_up();
     throw;
   }
+  test_kill_point(kill_at_, "shm-mapped");
   close(fd);
 }
 
@@ -263,8 +281,16 @@ void ShmHeap::attach(const std::vector<std::string>& names) {
       throw;
     }
     close(fd);
+    mapped_names_.push_back(names[r]);
+    test_kill_point(kill_at_, "attach-mapped");  // (with the first peer mapped)
   }
   attached_ = true;
+}
+
+void ShmHeap::unlink_attached() {
+  if (!in_creator()) return;
+  for (const std::string& name : mapped_names_) shm_unlink(name.c_str());  // ENOENT: its creator was first
+  mapped_names_.clear();
 }
 
 void ShmHeap::unlink() {
