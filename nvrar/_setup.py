@@ -205,7 +205,8 @@ def _host_indices(hosts: Sequence[str]) -> List[int]:
     return [order.setdefault(h, len(order)) for h in hosts]
 
 
-def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: bytes, kill_at: str = "") -> Any:
+def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: bytes, kill_at: str = "",
+              cma_adapt: bool = False) -> Any:
     """The CPU executor, attached to every rank's segment on this host and, across hosts,
     connected over UCX to the ranks of the others. On failure this rank's segment is unlinked;
     those of ranks that died during the set-up go with sweep_dead_segments() (the Communicator
@@ -237,7 +238,8 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
                     oneshot_max_bytes=st.oneshot_max(G), timeout_s=st.timeout_s, jitter_us=st.jitter_us,
                     jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
                     cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
-                    hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "")
+                    hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "",
+                    cma_adapt=cma_adapt and not multi)
                 created["segment"] = ex.segment_name
                 if multi:
                     dev = route_device(os.environ.get("MASTER_ADDR"))

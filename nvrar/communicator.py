@@ -139,12 +139,15 @@ class Communicator:
             if device == "cpu":
                 hosts = getattr(boot, "hosts", None)  # per rank, from the exchange
                 on_host = hosts.count(hosts[self._rank]) if hosts else self._world
-                cma_min = _config.cpu_cma_min_bytes(st, on_host, _cores(),
-                                                    env.get_bytes("NVRAR_CMA_MIN_BYTES") is not None)
+                explicit_cma = env.get_bytes("NVRAR_CMA_MIN_BYTES") is not None
+                cma_min = _config.cpu_cma_min_bytes(st, on_host, _cores(), explicit_cma)
                 if cma_min != st.cma_min_bytes:
                     st = dataclasses.replace(st, cma_min_bytes=cma_min)
                     self._settings = st
-                self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret, kill_at=kill_at)
+                # NOTE [cross-memory or staged] (csrc/cpu/executor.cpp): measured, unless pinned by the user
+                # or with more ranks than cores (CMA_MIN_BYTES_OVERSUBSCRIBED decides there)
+                self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret, kill_at=kill_at,
+                                            cma_adapt=not explicit_cma and on_host <= _cores())
                 if hosts and len(set(hosts)) > 1:  # what setup_cpu built the executor with
                     self._settings = st.across_hosts()
             else:

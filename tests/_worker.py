@@ -417,7 +417,30 @@ def task_crowded(args: dict) -> dict:
     return {"burst": burst, "dozes": times["dozes"], "calls": times["calls"], "seconds": seconds}
 
 
-TASKS = {"phase_times": task_phase_times, "crowded": task_crowded, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+def task_ways(args: dict) -> dict:
+    """NOTE [cross-memory or staged] (csrc/cpu/executor.cpp): two-shot calls on ordinary arrays
+    above the cross-memory threshold, each checked bit for bit; per call, which way this rank took
+    (cross-memory transfers counted by the phase timing, or none: staged)."""
+    comm = nvrar.Communicator(timeout=60)
+    ex = comm._ex
+    W, r = comm.world_size, comm.rank
+    n = args["count"]
+    ex.set_phase_timing(True)
+    ways, exact = [], True
+    for i in range(args["calls"]):
+        xs = [np.random.default_rng(1000 * i + k).standard_normal(n).astype(np.float32) for k in range(W)]
+        want = xs[0].copy()
+        for k in range(1, W):
+            want += xs[k]  # the canonical order: local ranks 0, 1, ...
+        a = xs[r].copy()
+        comm.all_reduce(a, algorithm="two-shot")
+        exact = exact and a.tobytes() == want.tobytes()
+        ways.append("cma" if ex.take_phase_times()["cma_ns"] > 0 else "staged")
+    comm.close()
+    return {"ways": ways, "exact": exact, "cma_enabled": bool(ex.cma_enabled) if hasattr(ex, "cma_enabled") else None}
+
+
+TASKS = {"phase_times": task_phase_times, "crowded": task_crowded, "ways": task_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
          "closed_peer": task_closed_peer, "stop": task_stop}
 

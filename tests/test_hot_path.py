@@ -213,3 +213,22 @@ def test_waits_on_a_crowded_host_sleep_on_the_doorbell_and_results_stay_exact():
         for p in spinners:
             p.kill()
             p.wait()
+
+
+def test_private_shards_go_both_ways_and_results_stay_exact():
+    """NOTE [cross-memory or staged] (csrc/cpu/executor.cpp): above the cross-memory threshold
+    each rank measures both ways of moving its private shards (cross-memory transfers, staging
+    through the segment) and keeps trying the one it does not take; whichever way each rank
+    takes, every result is bitwise the canonical sum. With NVRAR_CMA_MIN_BYTES set, no choice is
+    made: every call above it goes by cross-memory transfer."""
+    from _launch import assert_all_ok, launch
+
+    args = {"count": 64 << 10, "calls": 40}  # 256 KB: 128 KB shards
+    for rep in assert_all_ok(launch(2, "ways", args)):
+        assert rep["exact"], rep
+        if rep["cma_enabled"] is False:
+            pytest.skip("cross-memory access is not permitted between these processes (ptrace scope)")
+        assert {"cma", "staged"} <= set(rep["ways"]), rep["ways"]
+    for rep in assert_all_ok(launch(2, "ways", args, env={"NVRAR_CMA_MIN_BYTES": "8K"})):
+        assert rep["exact"], rep
+        assert set(rep["ways"]) == {"cma"}, rep["ways"]

@@ -36,6 +36,8 @@ constexpr uint64_t kMinSpinNs = std::chrono::duration_cast<std::chrono::nanoseco
 constexpr uint64_t kSpinPollsOversubscribed = 16;  // more ranks than cores: polls before yielding
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
+constexpr uint32_t kWayProbeEvery = 16;  // NOTE [cross-memory or staged]: every 16th call tries the other way
+constexpr double kWayWeight = 0.25;      // ... and each call moves its way's average a quarter of the way
 constexpr double kQuiesceMaxS = 1.0;  // longest a failing rank waits for a peer's cross-memory transfer window (s)
 constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
 
@@ -132,6 +134,7 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
 
 void CpuExecutor::enable_cma(bool on) {
   round_cfg_.cma = on && cfg_.cma;
+  cma_on_ = round_cfg_.cma;
   // Room for one piece of every other local rank's shard (pages are taken on first touch).
   if (round_cfg_.cma) cma_scratch_.resize(static_cast<size_t>(cfg_.ranks_per_node - 1) * (cfg_.cma_piece_bytes + 64));
   ws_.scratch = cma_scratch_.data();
@@ -369,9 +372,55 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // pool is written by the peers directly (c.in_pool, c.out_pool).
   const char* pin = static_cast<const char*>(in);
   char* pout = static_cast<char*>(out);
+  // NOTE [cross-memory or staged]
+  // A two-shot shard in private memory reaches the peers either by cross-memory transfers
+  // (process_vm_readv/writev: one copy, but system calls that pin pages) or staged through the
+  // segment (plain copies, one more of them). Which is faster depends on the host, and on one
+  // host it changes by the second: on a 2-core AMD EPYC KVM guest (2026-12-03, nvrar-bench
+  // --algorithms two-shot --buffers ordinary, NVRAR_CMA_MIN_BYTES=4M for staged) staged took 0.5-0.8
+  // of cross-memory's time at 32 KB-2 MB in some runs and 1.5-2.1 times it in others, with Open
+  // MPI's own time moving 2.5x between the same runs. So above cma_min_bytes each rank measures
+  // its calls (ns per byte, per size class, a moving average) both ways and takes the faster,
+  // trying the other every kWayProbeEvery-th call. The choice is local: a rank advertises how its
+  // input and output are reached (round.h, the ready cell's refs) and its peers follow, so the
+  // ranks need not agree; the reduction and its order are the same either way (bitwise). An
+  // explicit NVRAR_CMA_MIN_BYTES, NVRAR_CMA=0 or more ranks than cores turn it off (cma_adapt).
+  const size_t G = static_cast<size_t>(where_.G);
+  const size_t shard = std::min(c.chunk_elems, count) * c.es / G;
+  const bool adapt = cfg_.cma_adapt && cma_enabled() && c.algorithm == Algorithm::kTwoShot && G > 1 &&
+                     shard >= cfg_.cma_min_bytes && !(c.in_pool && c.out_pool);
+  WayStat* ws = nullptr;
+  int way = 1;
+  std::chrono::steady_clock::time_point t0;
+  if (adapt) {
+    int cls = 0;
+    while (cls < 63 && (size_t{2} << cls) <= shard) ++cls;
+    ws = &ways_[cls];
+    const uint32_t k = ws->seen++;
+    if (k < 2)
+      way = static_cast<int>(k & 1);  // one call each way first
+    else if (k % kWayProbeEvery == 0)
+      way = ws->ns_per_byte[0] <= ws->ns_per_byte[1] ? 1 : 0;  // the other way, now and then
+    else
+      way = ws->ns_per_byte[0] <= ws->ns_per_byte[1] ? 0 : 1;
+    round_cfg_.cma = way == 1;
+    t0 = std::chrono::steady_clock::now();
+  }
+  struct RestoreCma {
+    RoundConfig* rc;
+    bool on;
+    ~RestoreCma() { rc->cma = on; }
+  } restore{&round_cfg_, cma_enabled()};
   for (size_t off = 0; off < count; off += c.chunk_elems) {
     const size_t n = std::min(c.chunk_elems, count - off);
     round(pin + off * c.es, pout + off * c.es, n, c.es, c.in_pool, c.out_pool, c.algorithm, c.sig, fn, c.sc);
+  }
+  if (ws != nullptr) {
+    const double ns = static_cast<double>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    double& avg = ws->ns_per_byte[way];
+    const double x = ns / static_cast<double>(c.bytes);
+    avg = avg == 0 ? x : avg + (x - avg) * kWayWeight;
   }
 }
 

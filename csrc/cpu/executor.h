@@ -40,6 +40,7 @@ struct CpuConfig {
   uint64_t jitter_seed = 0;
   bool cma = false;              // allow cross-memory reads/writes of peers' private buffers
   size_t cma_min_bytes = 0;      // smallest shard (bytes) moved by cross-memory reads/writes
+  bool cma_adapt = false;        // above cma_min_bytes, choose cross-memory or staging by measured call times
   size_t cma_piece_bytes = 0;    // cross-memory transfers go piece by piece, this large (bytes)
   size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
   size_t hd_min_bytes = 0;       // inter-node shards from this size use halving-doubling (0: never)
@@ -119,7 +120,7 @@ class CpuExecutor {
   // must then call enable_cma with the AND over all ranks, so that all agree.
   bool probe_cma() const;
   void enable_cma(bool on);
-  bool cma_enabled() const { return round_cfg_.cma; }
+  bool cma_enabled() const { return cma_on_; }
 
   // out = reduce(in) over all ranks. in == out is in place. `count` elements of `dtype`.
   // `intr` (may be null) is polled while the call waits; it must outlive the call.
@@ -239,6 +240,14 @@ class CpuExecutor {
   int loadavg_fd_ = -1;                     // /proc/loadavg, for crowded() (-1: never crowded)
   uint64_t crowd_checked_ns_ = 0;           // when crowded() last read it (steady clock)
   bool crowded_ = false;                    // what it found
+  // NOTE [cross-memory or staged] (executor.cpp): per size class (log2 of the shard), the
+  // smoothed call time (ns per byte) of each way, and the eligible calls seen.
+  struct WayStat {
+    double ns_per_byte[2] = {0, 0};  // [0] staged, [1] cross-memory
+    uint32_t seen = 0;
+  };
+  WayStat ways_[64];
+  bool cma_on_ = false;                     // cross-memory access enabled (enable_cma)
   uint64_t born_fork_gen_ = 0;              // fork generation of the creating process (executor.cpp)
   // The plan of the last call, reused while the next call has the same arguments (it depends on
   // nothing else: limits_ are fixed at construction).
