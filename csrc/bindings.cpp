@@ -147,7 +147,6 @@ PYBIND11_MODULE(_C, m) {
              d["cma_ns"] = t.cma_ns;
              d["signal_ns"] = t.signal_ns;
              d["remote_ns"] = t.remote_ns;
-             d["dozes"] = t.dozes;
              return d;
            })
       .def("link_refused", &CpuExecutor::link_refused)

@@ -184,13 +184,11 @@ def test_phase_timing_counts_every_call_and_its_phases_lie_within_it():
         assert rep["after"]["calls"] == 0, rep["after"]  # take_phase_times() clears
 
 
-def test_waits_on_a_crowded_host_sleep_on_the_doorbell_and_results_stay_exact():
-    """NOTE [doorbell] (csrc/cpu/executor.cpp): with more runnable threads than cores (spinning
-    processes beside the ranks), a wait past its spin sleeps on its doorbell, woken by the peer
-    that stores its flag. 2 and 3 ranks, 300 random calls each (sizes, ops, dtypes, algorithms,
-    buffer kinds differing between ranks), every result checked exactly and identical on every
-    rank; the waits must have slept (the path ran), and a lost wake-up would cost its 1 ms
-    timeout per wait, so the burst must stay well inside its deadline."""
+def test_calls_on_a_crowded_host_stay_exact_and_inside_their_deadline():
+    """NOTE [waiting] (csrc/cpu/executor.cpp): with more runnable threads than cores (one spinning
+    process per core beside the ranks), 2 and 3 ranks, 300 random calls each (sizes, ops, dtypes,
+    algorithms, buffer kinds differing between ranks): every result checked exactly and identical
+    on every rank, the burst well inside its deadline."""
     import subprocess
     import sys
 
@@ -206,8 +204,6 @@ def test_waits_on_a_crowded_host_sleep_on_the_doorbell_and_results_stay_exact():
                 assert rep["burst"]["failures"] == [], rep["burst"]["failures"][:3]
                 assert rep["burst"]["checked"] == 300 and rep["calls"] == 300, rep
             assert len({rep["burst"]["digest"] for rep in reports}) == 1
-            if world <= cores:  # (oversubscribed ranks keep yielding: kSpinPollsOversubscribed)
-                assert sum(rep["dozes"] for rep in reports) > 0, reports
             assert max(rep["seconds"] for rep in reports) < 120, [rep["seconds"] for rep in reports]
     finally:
         for p in spinners:

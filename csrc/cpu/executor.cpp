@@ -3,19 +3,13 @@
 #include "transport.h"
 #include "ucx.h"
 
-#include <fcntl.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
-#include <cstdlib>
-#include <type_traits>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -30,9 +24,6 @@ namespace {
 constexpr size_t kMinChunkBytes = 256;               // smallest max_bytes accepted (bytes)
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a waiter checks its peer's process
 constexpr auto kSpinPhase = std::chrono::microseconds(100);     // a waiter spins at most this long before yielding
-constexpr auto kMinSpinPhase = std::chrono::microseconds(2);    // ... and at least this long (NOTE [waiting])
-constexpr uint64_t kMaxSpinNs = std::chrono::duration_cast<std::chrono::nanoseconds>(kSpinPhase).count();
-constexpr uint64_t kMinSpinNs = std::chrono::duration_cast<std::chrono::nanoseconds>(kMinSpinPhase).count();
 constexpr uint64_t kSpinPollsOversubscribed = 16;  // more ranks than cores: polls before yielding
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
@@ -108,8 +99,6 @@ CpuExecutor::CpuExecutor(const CpuConfig& cfg)
   // More ranks than cores: yield almost at once so that the rank we wait for can run. Else spin
   // for kSpinPhase (decode calls arrive microseconds apart).
   spin_polls_ = cfg_.world > ncpu ? kSpinPollsOversubscribed : UINT64_MAX;
-  ncpu_ = ncpu;
-  loadavg_fd_ = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);  // (-1: doze() never sleeps, it yields)
   born_fork_gen_ = fork_generation();
   const size_t G = static_cast<size_t>(cfg_.ranks_per_node);
   srcs_.resize(G);
@@ -151,8 +140,6 @@ void CpuExecutor::close() {
   std::lock_guard<std::mutex> lock(busy_);
   link_.reset();  // UCX lets go of the segment before it is unmapped
   heap_.release();
-  if (loadavg_fd_ >= 0) ::close(loadavg_fd_);
-  loadavg_fd_ = -1;
 }
 
 void CpuExecutor::mark_closed() {
@@ -486,7 +473,6 @@ void CpuExecutor::signal(int peer, size_t cell_off, uint64_t word, uint64_t aux0
   store_relaxed(&c->aux1, aux1);
   store_desc(&c->desc, desc_);
   store_release(&c->word, word);
-  ring(peer);
   jitter();
 }
 
@@ -572,16 +558,19 @@ void CpuExecutor::record_advertised(int peer, size_t cell_off, const Site& site,
 // spins: it polls its flag, its abort cell and the closing mark (all in its own memory: cache
 // hits until a peer writes them), reading the clock once per 64 polls. With more ranks than
 // cores the rank it waits for may need this very core, so it spins only kSpinPollsOversubscribed
-// polls. Otherwise the spin lasts spin_ns_, which adapts between kMinSpinPhase and kSpinPhase:
-// halved after every wait that the spin did not cover, doubled after every wait it did. On a
-// host whose other work puts the peer on this rank's core (or deschedules it), waits stop
-// burning 100 us before they let it run; when the peer runs beside us, the spin grows back
-// within a few calls. Then the waiter gives the core away: the caller's block hook first (the
+// polls. Otherwise the spin lasts kSpinPhase (100 us), whatever the waits before it found. It
+// used to adapt (halved down to 2 us after every wait the spin did not cover), and beside a busy
+// neighbour that made things worse: on a 2-core AMD EPYC KVM guest with one spinning process
+// (2026-12-03, nvrar-bench --backends nvrar,mpi --timing cold --buffers ordinary, two rounds),
+// 512 KB-2 MB calls had medians of 1.9-3.9 ms with the adaptive spin and 0.11-0.72 ms with a
+// fixed one (Open MPI 0.12-1.3 ms): a rank that leaves its core early finds the neighbour on it
+// and waits out that process's time slice to get it back. (Sleeping on a futex once the host is
+// crowded, so that a queued peer could take the idle core, was measured in the same runs and
+// lost the same way.) Then the waiter gives the core away: the caller's block hook first (the
 // bindings release the GIL there, not before), then sched_yield between polls (which returns at
 // once where nothing else wants the core, so a late peer costs a few system calls, not a
 // sleep), with the deadline, the peer's liveness and the caller's signal check about every
-// 50 ms; after kYieldPhase it sleeps between polls. Where the host has more runnable threads than
-// cores, a local wait sleeps on its doorbell instead of yielding (NOTE [doorbell]). A wait for a message from another host
+// 50 ms; after kYieldPhase it sleeps between polls. A wait for a message from another host
 // yields for CpuTransport::kRemoteYieldNs, then blocks on the link's event (HostLink::block: the
 // worker's event fd, woken by the network, at most 200 us), so that in a long wait the core goes
 // to whoever needs it and the waiter wakes when its data arrives, not at the next turn of a
@@ -601,12 +590,9 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto spin_end = start + std::chrono::nanoseconds(spin_ns_);
+  const auto spin_end = start + kSpinPhase;
   for (uint64_t it = 1;; ++it) {
-    if (ready()) {
-      spin_ns_ = std::min<uint64_t>(spin_ns_ * 2, kMaxSpinNs);
-      return;
-    }
+    if (ready()) return;
     if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
     if (closing_.load(std::memory_order_relaxed))
       fail(ProtocolError::Kind::kViolation, "the communicator was closed by another thread during the call", site,
@@ -614,7 +600,6 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
     if (it >= spin_polls_ || ((it & 63) == 0 && clock::now() >= spin_end)) break;
     cpu_relax();
   }
-  spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, kMinSpinNs);
   if (intr_ != nullptr && intr_->block != nullptr) intr_->block(intr_->ctx);
   const auto* peer_header = reinterpret_cast<const SegmentHeader*>(heap_.base(site.peer));
   const auto deadline =
@@ -651,78 +636,8 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
         fail(ProtocolError::Kind::kInterrupted, why, site, epoch, observed());
       next_liveness = now + kLivenessPeriod;
     }
-    const auto waited = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count());
-    if constexpr (std::is_same_v<Idle, Yield>)
-      doze(waited, ready);
-    else
-      idle(waited);
+    idle(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count()));
   }
-}
-
-// NOTE [doorbell]
-// A waiter that only yields keeps its core busy in the scheduler's eyes. Where the host has more
-// runnable threads than cores (another process spinning beside the ranks: OpenMP workers, an
-// engine's threads), the rank it waits for can sit queued behind that process on the other core
-// for a whole time slice (3-4 ms) while the waiter's core, yielding to nobody, is never offered
-// to it: 512 KB-4 MB calls took 3.4-3.8 ms (median) beside one spinning process on a 2-core host,
-// against 0.28-2.1 ms for MPI_Allreduce. So a local wait past its spin yields only while
-// /proc/loadavg's count of runnable threads fits the cores; otherwise it sleeps on its doorbell,
-// a futex word in its own segment header: the core goes idle and the scheduler moves the queued
-// thread there at once. The waiter sets `sleeping`, fences, reads the doorbell and checks its
-// flag once more before FUTEX_WAIT (which returns at once if the doorbell moved); a peer stores
-// its flag, fences and rings (increment, FUTEX_WAKE) only if it sees `sleeping`: of the two
-// fenced store-then-load pairs at least one sees the other's store, so a flag never goes
-// unnoticed until the 1 ms timeout, which only bounds a wait whose flag came from elsewhere (a
-// host link) between the deadline and liveness checks. Ringing costs a quiet host one fence and
-// one read of a line the waiter rarely writes.
-template <typename Ready>
-void CpuExecutor::doze(uint64_t waited_ns, Ready ready) {
-  if (waited_ns >= static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(kYieldPhase).count()) ||
-      spin_polls_ != UINT64_MAX || !crowded()) {
-    Yield{}(waited_ns);
-    return;
-  }
-  auto* h = reinterpret_cast<SegmentHeader*>(heap_.mine());
-  __atomic_store_n(&h->sleeping, 1u, __ATOMIC_RELAXED);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  const uint32_t rung = __atomic_load_n(&h->doorbell, __ATOMIC_ACQUIRE);
-  if (!ready()) {
-    times_.dozes += phase_timing_ ? 1 : 0;
-    struct timespec ts = {0, 1000 * 1000};
-    syscall(SYS_futex, &h->doorbell, FUTEX_WAIT, rung, &ts, nullptr, 0);
-  }
-  __atomic_store_n(&h->sleeping, 0u, __ATOMIC_RELAXED);
-}
-
-bool CpuExecutor::crowded() {
-  if (loadavg_fd_ < 0) return false;
-  const auto now = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-  if (now - crowd_checked_ns_ < 50 * 1000) return crowded_;  // at most one read per 50 us of waiting
-  crowd_checked_ns_ = now;
-  // "0.52 0.58 0.59 3/312 4242": the fourth field's first number counts the runnable threads.
-  char buf[128];
-  const ssize_t n = pread(loadavg_fd_, buf, sizeof(buf) - 1, 0);
-  crowded_ = false;
-  if (n > 0) {
-    buf[n] = '\0';
-    const char* p = buf;
-    for (int field = 0; field < 3 && p != nullptr; ++field) {
-      p = std::strchr(p, ' ');
-      if (p != nullptr) ++p;
-    }
-    if (p != nullptr) crowded_ = std::strtol(p, nullptr, 10) > ncpu_;
-  }
-  return crowded_;
-}
-
-void CpuExecutor::ring(int peer) {
-  if (remote(peer)) return;  // (a rank on another host waits on its link, not on this image)
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  auto* h = reinterpret_cast<SegmentHeader*>(heap_.base(peer));
-  if (__atomic_load_n(&h->sleeping, __ATOMIC_RELAXED) == 0) return;
-  __atomic_fetch_add(&h->doorbell, 1u, __ATOMIC_RELEASE);
-  syscall(SYS_futex, &h->doorbell, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 bool CpuExecutor::same_call(size_t cell_off) const {
@@ -826,7 +741,6 @@ void CpuExecutor::fail(ProtocolError::Kind kind, const std::string& what, const 
     auto* c = reinterpret_cast<Cell*>(heap_.base(r) + layout_.abort_cell());
     store_relaxed(&c->aux0, static_cast<uint64_t>(cfg_.rank) | (static_cast<uint64_t>(kind) << 32));
     store_release(&c->word, flag_word(epoch, 1));
-    ring(r);
   }
   post_remote_aborts();
   quiesce(epoch);
@@ -859,7 +773,6 @@ void CpuExecutor::fail_from_abort(const Site& site, uint64_t epoch) {
     if (load_acquire(&pc->word) != 0) continue;
     store_relaxed(&pc->aux0, aux);
     store_release(&pc->word, word);
-    ring(r);
   }
   post_remote_aborts();
   quiesce(epoch);

@@ -71,7 +71,6 @@ struct PhaseTimes {
   uint64_t cma_ns = 0;     // cross-memory reads and writes of local peers' private buffers
   uint64_t signal_ns = 0;  // flag stores into peers' cells
   uint64_t remote_ns = 0;  // puts to other hosts (issue and local completion)
-  uint64_t dozes = 0;      // waits that slept on the doorbell (NOTE [doorbell], executor.cpp)
 };
 
 class CpuExecutor {
@@ -178,12 +177,6 @@ class CpuExecutor {
   struct Yield {
     void operator()(uint64_t waited_ns) const;
   };
-  // A local wait past its spin (NOTE [doorbell]): yields while the host has a core for every
-  // runnable thread, else sleeps on my doorbell until a peer rings it (or 1 ms passes).
-  template <typename Ready>
-  void doze(uint64_t waited_ns, Ready ready);
-  bool crowded();                    // more runnable threads than cores now (/proc/loadavg, cached)
-  void ring(int peer);               // wakes `peer` if it sleeps on its doorbell (after a flag store)
   template <typename Ready, typename Observed, typename Idle = Yield>
   void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle = Idle{});
   void cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
@@ -235,11 +228,6 @@ class CpuExecutor {
   RoundConfig round_cfg_{};
   CallLimits limits_{};                     // what the configuration fixes for every call (protocol/call.h)
   uint64_t spin_polls_ = 0;                 // polls at most before a waiter starts yielding the core
-  uint64_t spin_ns_ = 100000;               // how long a waiter spins now (NOTE [waiting], executor.cpp)
-  long ncpu_ = 1;                           // cores this process may run on (affinity)
-  int loadavg_fd_ = -1;                     // /proc/loadavg, for crowded() (-1: never crowded)
-  uint64_t crowd_checked_ns_ = 0;           // when crowded() last read it (steady clock)
-  bool crowded_ = false;                    // what it found
   // NOTE [cross-memory or staged] (executor.cpp): per size class (log2 of the shard), the
   // smoothed call time (ns per byte) of each way, and the eligible calls seen.
   struct WayStat {

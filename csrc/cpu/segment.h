@@ -15,7 +15,7 @@ namespace nvrar {
 
 constexpr size_t kSecretBytes = 16;  // the session secret every segment header carries
 constexpr uint64_t kMagic = 0x314741455352564eull;  // "NVRSEAG1", little-endian
-constexpr uint32_t kVersion = 2;  // 2: the doorbell (NOTE [doorbell], executor.cpp)
+constexpr uint32_t kVersion = 1;
 constexpr size_t kCellStride = 64;                   // one cache line per flag cell
 
 // Host-side header at the start of every segment (page 0). Written by its owner at creation;
@@ -43,11 +43,6 @@ struct SegmentHeader {
   uint64_t touch;         // touch_word(epoch, target) while the owner transfers to or from a peer's
                           // private memory (NOTE [transfer windows]); 0 otherwise
   uint8_t secret[kSecretBytes];  // the session's secret (CpuConfig::secret): every attaching rank checks it
-  // NOTE [doorbell] (executor.cpp): a waiter that leaves its core sleeps on `doorbell` (a futex in
-  // this shared page) with `sleeping` set; whoever stores a flag or an abort for it rings it. A
-  // line of their own: the ringers read `sleeping` at every flag they store.
-  alignas(64) uint32_t doorbell;
-  uint32_t sleeping;
 };
 static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
 

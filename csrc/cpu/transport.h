@@ -157,7 +157,6 @@ struct CpuTransport {
       if ((i & 255) == 255) ex->jitter();
     }
     store_release(&c->word, flag_word(epoch, flag & static_cast<uint32_t>(kSigMask)));
-    ex->ring(rank);
     return true;
   }
   bool wait_ll(size_t off, size_t bytes, uint64_t e, uint32_t sig, int step, int peer) {
