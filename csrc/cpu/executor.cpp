@@ -286,7 +286,7 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
     // Every byte compared, whatever differs first: the time taken says nothing about the secret.
     unsigned diff = 0;
     for (size_t i = 0; i < kSecretBytes; ++i) diff |= static_cast<unsigned>(h->secret[i] ^ mine->secret[i]);
-    NVRAR_CHECK(diff == 0, "nvrar: rank ", cfg_.rank, ": rank ", r, "'s shared-memory segment does not carry this "
+    NVRAR_CHECK(diff == 0, "nvrar: rank ", cfg_.rank, ": rank ", r, "'s shared-memory segment does not carry the "
                 "session's secret (a segment of another session, or forged): refusing it");
     NVRAR_CHECK(h->rank == r && h->world == cfg_.world, "rank ", cfg_.rank, ": segment ", r, " belongs to rank ",
                 h->rank, " of ", h->world, " (bootstrap exchanged names out of order)");
