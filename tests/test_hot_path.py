@@ -213,18 +213,26 @@ def test_calls_on_a_crowded_host_stay_exact_and_inside_their_deadline():
 
 def test_private_shards_go_both_ways_and_results_stay_exact():
     """NOTE [cross-memory or staged] (csrc/cpu/executor.cpp): above the cross-memory threshold
-    each rank measures both ways of moving its private shards (cross-memory transfers, staging
-    through the segment) and keeps trying the one it does not take; whichever way each rank
-    takes, every result is bitwise the canonical sum. With NVRAR_CMA_MIN_BYTES set, no choice is
-    made: every call above it goes by cross-memory transfer."""
+    the node's leader times both ways of moving private shards (cross-memory transfers, staging
+    through the segment), keeps trying the one it does not take, and every rank of the node
+    takes the way it chose, call for call (a rank staging while its peer reads across memory is
+    slower than either way); every result is bitwise the canonical sum. With
+    NVRAR_CMA_MIN_BYTES set, no choice is made: every call above it goes by cross-memory
+    transfer."""
     from _launch import assert_all_ok, launch
 
-    args = {"count": 64 << 10, "calls": 40}  # 256 KB: 128 KB shards
-    for rep in assert_all_ok(launch(2, "ways", args)):
-        assert rep["exact"], rep
-        if rep["cma_enabled"] is False:
-            pytest.skip("cross-memory access is not permitted between these processes (ptrace scope)")
-        assert {"cma", "staged"} <= set(rep["ways"]), rep["ways"]
+    # (3 ranks on fewer cores take no choice: more ranks than cores always stage small shards.)
+    for world in (2, 3) if (os.cpu_count() or 1) >= 3 else (2,):
+        args = {"count": 96 << 10, "calls": 40}  # 384 KB: 128-192 KB shards
+        reps = assert_all_ok(launch(world, "ways", args))
+        for rep in reps:
+            assert rep["exact"], rep
+            if rep["cma_enabled"] is False:
+                pytest.skip("cross-memory access is not permitted between these processes (ptrace scope)")
+            assert {"cma", "staged"} <= set(rep["ways"]), rep["ways"]
+        # Every call, every rank the same way: a rank that stages reads no peer across memory.
+        assert all(rep["ways"] == reps[0]["ways"] for rep in reps), [rep["ways"] for rep in reps]
+    args = {"count": 64 << 10, "calls": 40}
     for rep in assert_all_ok(launch(2, "ways", args, env={"NVRAR_CMA_MIN_BYTES": "8K"})):
         assert rep["exact"], rep
         assert set(rep["ways"]) == {"cma"}, rep["ways"]

@@ -27,8 +27,10 @@ constexpr auto kSpinPhase = std::chrono::microseconds(100);     // a waiter spin
 constexpr uint64_t kSpinPollsOversubscribed = 16;  // more ranks than cores: polls before yielding
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
-constexpr uint32_t kWayProbeEvery = 16;  // NOTE [cross-memory or staged]: every 16th call tries the other way
-constexpr double kWayWeight = 0.25;      // ... and each call moves its way's average a quarter of the way
+constexpr uint32_t kWayProbeEvery = 32;  // NOTE [cross-memory or staged]: every 32nd decision tries the other way
+constexpr uint32_t kWayTrial = 4;        // ... for this many calls in a row
+constexpr uint32_t kWaySettle = 2;       // ... of which the first two are not timed
+constexpr double kWayWeight = 0.25;      // ... and each timed call moves its way's average a quarter of the way
 constexpr double kQuiesceMaxS = 1.0;  // longest a failing rank waits for a peer's cross-memory transfer window (s)
 constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
 
@@ -366,32 +368,41 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // host it changes by the second: on a 2-core AMD EPYC KVM guest (2026-12-03, nvrar-bench
   // --algorithms two-shot --buffers ordinary, NVRAR_CMA_MIN_BYTES=4M for staged) staged took 0.5-0.8
   // of cross-memory's time at 32 KB-2 MB in some runs and 1.5-2.1 times it in others, with Open
-  // MPI's own time moving 2.5x between the same runs. So above cma_min_bytes each rank measures
-  // its calls (ns per byte, per size class, a moving average) both ways and takes the faster,
-  // trying the other every kWayProbeEvery-th call. The choice is local: a rank advertises how its
-  // input and output are reached (round.h, the ready cell's refs) and its peers follow, so the
-  // ranks need not agree; the reduction and its order are the same either way (bitwise). An
-  // explicit NVRAR_CMA_MIN_BYTES, NVRAR_CMA=0 or more ranks than cores turn it off (cma_adapt).
+  // MPI's own time moving 2.5x between the same runs. So above cma_min_bytes the calls are timed
+  // (ns per byte, per shard size class, a moving average) both ways and the faster is taken, the
+  // other tried every kWayProbeEvery-th call. The ranks of a node take the same way: one that
+  // stages while its peer reads across memory is slower than either way alone (same host,
+  // 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us, cross-memory 130-139,
+  // staged 69-91; ranks that chose apart, each on its own times, stayed apart, since every probe
+  // swapped both). So the node's leader (local index 0) alone measures and decides, and publishes
+  // its choice in its segment header (way_plan, way_word) for calls from two calls on; every rank
+  // reads it at the start of a call. The leader's store at the end of call j precedes its flags of
+  // call j + 1, which every local peer acquires before its call j + 1 ends, so by call j + 2 they
+  // all see it. The choice never touches the result: a rank advertises how its input and output
+  // are reached (round.h, the ready cell's refs) and its peers follow; the reduction and its
+  // order are the same either way (bitwise). An explicit NVRAR_CMA_MIN_BYTES, NVRAR_CMA=0 or
+  // more ranks than cores turn it off (cma_adapt).
+  const uint64_t call_no = calls_++;
   const size_t G = static_cast<size_t>(where_.G);
   const size_t shard = std::min(c.chunk_elems, count) * c.es / G;
   const bool adapt = cfg_.cma_adapt && cma_enabled() && c.algorithm == Algorithm::kTwoShot && G > 1 &&
                      shard >= cfg_.cma_min_bytes && !(c.in_pool && c.out_pool);
   WayStat* ws = nullptr;
+  uint64_t* plan = nullptr;
   int way = 1;
   std::chrono::steady_clock::time_point t0;
   if (adapt) {
     int cls = 0;
     while (cls < 63 && (size_t{2} << cls) <= shard) ++cls;
-    ws = &ways_[cls];
-    const uint32_t k = ws->seen++;
-    if (k < 2)
-      way = static_cast<int>(k & 1);  // one call each way first
-    else if (k % kWayProbeEvery == 0)
-      way = ws->ns_per_byte[0] <= ws->ns_per_byte[1] ? 1 : 0;  // the other way, now and then
-    else
-      way = ws->ns_per_byte[0] <= ws->ns_per_byte[1] ? 0 : 1;
+    const int leader = where_.rank_of(where_.node, 0);
+    auto* lh = reinterpret_cast<SegmentHeader*>(heap_.base(leader));
+    way = way_of(__atomic_load_n(&lh->way_plan[cls], __ATOMIC_RELAXED), call_no);
     round_cfg_.cma = way == 1;
-    t0 = std::chrono::steady_clock::now();
+    if (leader == where_.rank) {
+      ws = &ways_[cls];
+      plan = &lh->way_plan[cls];
+      t0 = std::chrono::steady_clock::now();
+    }
   }
   struct RestoreCma {
     RoundConfig* rc;
@@ -405,9 +416,30 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   if (ws != nullptr) {
     const double ns = static_cast<double>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    // A way's first calls in a row are not averaged: the first meet the page faults of slots not
+    // touched before, and later ones still pay for the caches the other way left (same host: a
+    // staged 1 MB call took 850-1150 us the first two times, 160-190 us right after cross-memory
+    // calls, 100-120 us from the third in a row). So the other way is tried kWayTrial calls in a
+    // row, and only calls from the (kWaySettle + 1)-th in a row count. A call slower than twice
+    // the average (a time slice lost to another process) counts as twice the average.
+    ws->streak = way == ws->last ? ws->streak + 1 : 1;
+    ws->last = way;
     double& avg = ws->ns_per_byte[way];
     const double x = ns / static_cast<double>(c.bytes);
-    avg = avg == 0 ? x : avg + (x - avg) * kWayWeight;
+    if (ws->streak > kWaySettle) avg = avg == 0 ? x : avg + (std::min(x, 2 * avg) - avg) * kWayWeight;
+    // The way of the calls from call_no + 2 on: one not yet averaged, else the faster, and every
+    // kWayProbeEvery-th decision a trial of the other one.
+    const double* a = ws->ns_per_byte;
+    int next = a[0] == 0 ? 0 : a[1] == 0 ? 1 : a[0] <= a[1] ? 0 : 1;
+    if (a[0] != 0 && a[1] != 0) {
+      if (ws->trial == 0 && ++ws->seen % kWayProbeEvery == 0) ws->trial = kWayTrial;
+      if (ws->trial > 0) {
+        --ws->trial;
+        next = 1 - next;
+      }
+    }
+    const uint64_t old = __atomic_load_n(plan, __ATOMIC_RELAXED);
+    __atomic_store_n(plan, way_word(call_no + 2, way_of(old, call_no + 1), next), __ATOMIC_RELAXED);
   }
 }
 

@@ -229,12 +229,16 @@ class CpuExecutor {
   CallLimits limits_{};                     // what the configuration fixes for every call (protocol/call.h)
   uint64_t spin_polls_ = 0;                 // polls at most before a waiter starts yielding the core
   // NOTE [cross-memory or staged] (executor.cpp): per size class (log2 of the shard), the
-  // smoothed call time (ns per byte) of each way, and the eligible calls seen.
+  // smoothed call time (ns per byte) of each way, and the eligible calls seen (a node leader's).
   struct WayStat {
     double ns_per_byte[2] = {0, 0};  // [0] staged, [1] cross-memory
-    uint32_t seen = 0;
+    int last = -1;                   // the way of the last call of this class
+    uint32_t streak = 0;             // calls in a row that took it (the first kWaySettle are not averaged)
+    uint32_t seen = 0;               // decisions made
+    uint32_t trial = 0;              // decisions left in a trial of the other way
   };
   WayStat ways_[64];
+  uint64_t calls_ = 0;  // all_reduce calls made (with data, world > 1): the same count on every rank
   bool cma_on_ = false;                     // cross-memory access enabled (enable_cma)
   uint64_t born_fork_gen_ = 0;              // fork generation of the creating process (executor.cpp)
   // The plan of the last call, reused while the next call has the same arguments (it depends on

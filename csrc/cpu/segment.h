@@ -43,8 +43,22 @@ struct SegmentHeader {
   uint64_t touch;         // touch_word(epoch, target) while the owner transfers to or from a peer's
                           // private memory (NOTE [transfer windows]); 0 otherwise
   uint8_t secret[kSecretBytes];  // the session's secret (CpuConfig::secret): every attaching rank checks it
+  uint64_t way_plan[64];  // a node leader's choice of way per shard size class, read by the node's
+                          // other ranks (NOTE [cross-memory or staged], executor.cpp; way_word)
 };
 static_assert(sizeof(SegmentHeader) <= SegmentLayout::kPage, "segment header must fit in the header page");
+
+// A way plan word (SegmentHeader::way_plan): calls numbered below `from` take way `before`, the
+// others way `after` (1 cross-memory, 0 staged); 0 means no plan yet (cross-memory). The leader
+// rewrites it at the end of its call j with from = j + 2 and `before` the way the old word gave
+// call j + 1, so a rank reading the old or the new word during call j + 1 gets the same way.
+inline uint64_t way_word(uint64_t from, int before, int after) {
+  return (from << 3) | 4u | (static_cast<uint64_t>(before) << 1) | static_cast<uint64_t>(after);
+}
+inline int way_of(uint64_t word, uint64_t call) {
+  if (word == 0) return 1;
+  return static_cast<int>(call < (word >> 3) ? (word >> 1) & 1 : word & 1);
+}
 
 // NOTE [call description]
 // The 16-bit signature of a flag word is a quick check only: two different calls can share it
