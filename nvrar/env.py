@@ -131,9 +131,9 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar(
             "NVRAR_CMA_MIN_BYTES",
             _defaults.size_text(_defaults.CMA_MIN_BYTES),
-            "CPU executor: smallest shard moved by cross-memory reads and writes. Unset, each rank "
-            "measures both ways (cross-memory or staged through the shared segment) above the default "
-            "and takes the faster (NOTE [cross-memory or staged], csrc/cpu/executor.cpp); with more "
+            "CPU executor: smallest shard moved by cross-memory reads and writes. Unset, above the "
+            "default each node's leader times both ways (cross-memory or staged through the shared "
+            "segment) and all its ranks take the faster (NOTE [cross-memory or staged], csrc/cpu/executor.cpp); with more "
             "ranks than cores, shards below 256K are staged. Set, every shard from this size goes by "
             "cross-memory transfer.",
         ),
