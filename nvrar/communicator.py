@@ -144,10 +144,10 @@ class Communicator:
                 if cma_min != st.cma_min_bytes:
                     st = dataclasses.replace(st, cma_min_bytes=cma_min)
                     self._settings = st
-                # NOTE [cross-memory or staged] (csrc/cpu/executor.cpp): measured, unless pinned by the user
-                # or with more ranks than cores (CMA_MIN_BYTES_OVERSUBSCRIBED decides there)
+                # NOTE [cross-memory or staged] (csrc/cpu/executor.cpp): measured above cma_min, unless
+                # pinned by the user (with more ranks than cores, smaller shards are always staged)
                 self._ex = _setup.setup_cpu(boot, self._rank, self._world, G, st, secret, kill_at=kill_at,
-                                            cma_adapt=not explicit_cma and on_host <= _cores())
+                                            cma_adapt=not explicit_cma)
                 if hosts and len(set(hosts)) > 1:  # what setup_cpu built the executor with
                     self._settings = st.across_hosts()
             else:

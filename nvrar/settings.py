@@ -123,8 +123,10 @@ CMA_MIN_BYTES = 8 << 10
 # from 256 KB shards 0.61-0.67, 0.58-0.64, 0.54-0.66, 0.49-0.60 (docs/results.md, runs of 2026-12-02 00:25-01:20 UTC);
 # smaller shards by cross-memory no better (128 KB shards: 0.46-0.82 against 0.49-0.75 staged at
 # 256 KB messages; an earlier host, 32K-512K messages: 0.79-1.23 against 0.45-0.86). So there,
-# unless NVRAR_CMA_MIN_BYTES is set, shards from this size go by cross-memory transfer, smaller
-# ones are staged (cpu_cma_min_bytes).
+# unless NVRAR_CMA_MIN_BYTES is set, smaller shards are staged (cpu_cma_min_bytes) and from this
+# size the node's leader times both ways and its ranks take the faster (NOTE [cross-memory or
+# staged], csrc/cpu/executor.cpp: on the same host on 2026-12-03, 1 MB at 4 ranks, staged took
+# 0.45x the time of cross-memory).
 CMA_MIN_BYTES_OVERSUBSCRIBED = 256 << 10
 
 

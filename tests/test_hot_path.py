@@ -221,9 +221,9 @@ def test_private_shards_go_both_ways_and_results_stay_exact():
     transfer."""
     from _launch import assert_all_ok, launch
 
-    # (3 ranks on fewer cores take no choice: more ranks than cores always stage small shards.)
-    for world in (2, 3) if (os.cpu_count() or 1) >= 3 else (2,):
-        args = {"count": 96 << 10, "calls": 40}  # 384 KB: 128-192 KB shards
+    # (With more ranks than cores shards below 256 KB are always staged: 3 ranks, 384 KB each.)
+    for world in (2, 3):
+        args = {"count": (96 if world == 2 else 192) << 10, "calls": 40}
         reps = assert_all_ok(launch(world, "ways", args))
         for rep in reps:
             assert rep["exact"], rep
