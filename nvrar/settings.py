@@ -59,18 +59,19 @@ SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
 # G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
 # per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
-# up to 16 KB, two-shot from 32 KB on. On an AMD EPYC host (family 25, 2 cores, AVX2, KVM guest;
-# 2026-12-03) the ordinary-buffer one-shot beat two-shot at 8 and 16 KB in each of three runs of
-# `nvrar-bench --backends nvrar,mpi --timing cold --algorithms one-shot,two-shot --min-bytes 8K
-# --max-bytes 128K --iters 200` (medians, us: 8 KB 8.7/9.8, 5.8/6.4, 8.8/10.4; 16 KB
-# 11.5/14.0, 6.5/10.8, 12.7/16.0), was level at 32 KB and lost from 64 KB on; a two-shot shard of 8
-# KB costs two system calls (cross-memory read and write) that one-shot does not make. Buffers from
-# Communicator.empty() prefer two-shot at 8-16 KB by 1-5 us in those runs, but the threshold cannot
-# depend on one rank's buffers (every rank must pick the same algorithm) and the engines' and
-# torch's calls pass ordinary tensors. G = 1 has no intra-node phase, so both variants move the
-# same bytes. Larger G: not measured here (more ranks than cores); 16 KB is a guess between the two
+# up to 64 KB, two-shot from 128 KB on. On an AMD EPYC host (family 25, 2 cores, AVX2, KVM guest;
+# 2026-12-03) one-shot beat two-shot at 32 and 64 KB in each of five same-run comparisons (2
+# ranks, torch float32 tensors, cold, four alternated rounds of 100 calls, medians in us, one-shot
+# / two-shot: 32 KB 9.50/10.66, 13.55/14.42, 6.92/7.37, 14.70/15.26, and 12.66/13.84 beside a
+# spinning process; 64 KB 13.84/14.30, 17.94/18.55, 10.06/10.51, 19.65/19.91, 17.34/18.38) and
+# was level from 128 KB (25.19/24.79, 16.28/17.92, 28.12/28.43); two-shot's rounds since the
+# ranks of a node agree on their way (NOTE [cross-memory or staged]) cost about the same as
+# before. An earlier comparison on the same host (nvrar-bench, ordinary buffers) had one-shot
+# ahead up to 16 KB and level at 32 KB. Every rank must pick the same algorithm, so the threshold
+# cannot follow one rank's buffers. G = 1 has no intra-node phase, so both variants move the same
+# bytes. Larger G: not measured here (more ranks than cores); 16 KB is a guess between the two
 # costs. `nvrar tune` measures another machine.
-CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 16 << 10}
+CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 64 << 10}
 CPU_ONESHOT_MAX_DEFAULT = 16 << 10
 
 # GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
