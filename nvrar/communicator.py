@@ -261,13 +261,15 @@ class Communicator:
             raise NvrarError("all_reduce: the communicator is closed")
         if out is None and algorithm is None and algo is None and stream is None:
             # The hot path of decode: in place, default algorithm, a tensor checked before.
-            hit = self._checked.get(x)
-            if hit is not None:
+            # (CheckedTensors.get, inlined: a method call is a tenth of this path on a slow host)
+            e = self._checked._entries.get(id(x))
+            if (e is not None and e[0]() is x and x.data_ptr() == e[1] and x.nbytes == e[2] and x.dtype is e[3]
+                    and x.is_contiguous()):
                 try:
                     opc = _FAST_OPS[op]
                 except (KeyError, TypeError):
                     opc = _arrays.op_code(op)
-                self._all_reduce(hit[0], hit[0], hit[1], hit[2], opc, self._algorithm)
+                self._all_reduce(e[1], e[1], e[4], e[5], opc, self._algorithm)
                 return x
         if algo is not None:
             algorithm = _config.algorithm_argument(algorithm, algo, "all_reduce")

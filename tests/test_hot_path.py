@@ -53,6 +53,8 @@ def test_resize_invalidates(comm):
     assert comm._checked.get(x)[1] == 4096
     x.resize_(8)  # smaller: same pointer, other byte size
     assert not cached(comm, x)
+    comm.all_reduce(x)  # the call itself checks anew (its inlined checks) and enters the new count
+    assert comm._checked.get(x)[1] == 8
 
 
 def test_set_to_another_storage_invalidates(comm):
