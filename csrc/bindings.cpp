@@ -4,6 +4,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
+#define MADV_POPULATE_WRITE 23  // Linux 5.14+; an older kernel answers EINVAL (then /proc/self/maps decides)
+#endif
+
+#include <cerrno>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -212,6 +219,24 @@ PYBIND11_MODULE(_C, m) {
   // alternative to __array_interface__, which builds a dict on every access.
   m.def("sweep_dead_segments", &sweep_dead_segments,
         "Unlink the shared-memory segments of this user whose creator is dead; returns how many went");
+  // The write probe of nvrar/_arrays.py (writable_range) for memory outside torch's allocator,
+  // run on every call with such a tensor: madvise(MADV_POPULATE_WRITE) of its first and last
+  // page (faults them in writable, writes nothing). True: both pages may be written. False: the
+  // kernel refused or lacks the advice; Python then reads /proc/self/maps. From Python through
+  // ctypes the two calls cost about 3.4 us on a KVM guest; here, two system calls.
+  m.def("write_probe", [](uintptr_t ptr, size_t nbytes) {
+#ifdef MADV_POPULATE_WRITE
+    if (nbytes == 0) return true;
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t first = ptr & ~(page - 1), last = (ptr + nbytes - 1) & ~(page - 1);
+    if (madvise(reinterpret_cast<void*>(first), page, MADV_POPULATE_WRITE) != 0) return false;
+    return last == first || madvise(reinterpret_cast<void*>(last), page, MADV_POPULATE_WRITE) == 0;
+#else
+    (void)ptr;
+    (void)nbytes;
+    return false;
+#endif
+  }, py::arg("ptr"), py::arg("nbytes"));
   m.def("buffer_address", [](py::handle obj) {
     Py_buffer view;
     if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_ANY_CONTIGUOUS) != 0) throw py::error_already_set();

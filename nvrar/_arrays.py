@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _C
 from ._C import buffer_address as _buffer_address
+from ._C import write_probe as _write_probe
 
 __all__ = [
     "DTYPE_CODES", "DTYPE_NAMES", "OP_CODES", "ELEMENT_SIZE", "SUPPORTED",
@@ -128,16 +129,18 @@ class CheckedTensors:
     (a tensor freed and another created at the same id or address is checked anew), and it is
     used only while the tensor's data pointer, byte size and dtype are those it was checked with
     and the tensor is still contiguous, so resize_, set_, as_strided_ and ``.data =`` all
-    invalidate it. Only tensors whose storage comes from torch's own allocator (resizable, always
-    writeable) are entered: memory from numpy, a buffer or a file is probed on every call, since
-    its permissions can change without the tensor knowing. A few entries (decode's buffers); the
-    table starts over when full.
+    invalidate it. Storage from torch's own allocator (resizable) is always writeable; memory from
+    numpy, a buffer or a file (and a tensor that shared its storage through .numpy()) can have
+    its permissions changed without the tensor knowing, so its entry is marked to be probed
+    (writable_range's first step, _C.write_probe) on every call; where the probe does not answer
+    yes, the call takes the full checks. A few entries (decode's buffers); the table starts over
+    when full.
     """
 
     _MAX = 16
 
     def __init__(self) -> None:
-        self._entries: Dict[int, Tuple[Any, int, int, Any, int, int]] = {}
+        self._entries: Dict[int, Tuple[Any, int, int, Any, int, int, bool]] = {}
 
     def get(self, x: Any) -> Optional[Tuple[int, int, int]]:
         # (Communicator.all_reduce inlines these checks on its hot path: change both together.)
@@ -146,25 +149,25 @@ class CheckedTensors:
             return None
         if x.data_ptr() != e[1] or x.nbytes != e[2] or x.dtype is not e[3] or not x.is_contiguous():
             return None
+        if e[6] and not _write_probe(e[1], e[2]):
+            return None
         return e[1], e[4], e[5]
 
     def add(self, x: Any, ptr: int, count: int, code: int) -> None:
         try:
-            if not x.is_cpu or not x.untyped_storage().resizable():
+            if not x.is_cpu:
                 return
+            probe = not x.untyped_storage().resizable()
             ref = weakref.ref(x)
         except (AttributeError, RuntimeError, TypeError):
             return
         if len(self._entries) >= self._MAX:
             self._entries.clear()
-        self._entries[id(x)] = (ref, ptr, x.nbytes, x.dtype, count, code)
+        self._entries[id(x)] = (ref, ptr, x.nbytes, x.dtype, count, code, probe)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing; EINVAL/EFAULT if it cannot
-_madvise: Any = None
 
 
 def _torch_writable(x: Any) -> bool:
@@ -181,19 +184,9 @@ def _torch_writable(x: Any) -> bool:
 
 
 def writable_range(ptr: int, nbytes: int) -> bool:
-    global _madvise
     if not sys.platform.startswith("linux"):
         return True
-    if _madvise is None:
-        import ctypes
-        import mmap
-
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        _madvise = (fn, mmap.PAGESIZE)
-    fn, page = _madvise
-    first, last = ptr & ~(page - 1), (ptr + nbytes - 1) & ~(page - 1)
-    if fn(first, page, _MADV_POPULATE_WRITE) == 0 and (last == first or fn(last, page, _MADV_POPULATE_WRITE) == 0):
+    if _write_probe(ptr, nbytes):  # madvise(MADV_POPULATE_WRITE), first and last page (in C++: cheap)
         return True
     return _maps_writable(ptr, ptr + nbytes)
 

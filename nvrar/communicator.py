@@ -20,6 +20,7 @@ import numpy as np
 from . import _arrays, _pool, _setup, env, selector
 from . import settings as _config
 from . import bootstrap as _bootstrap
+from ._C import write_probe as _write_probe
 from .errors import NvrarError
 
 __all__ = ["Communicator"]
@@ -264,7 +265,7 @@ class Communicator:
             # (CheckedTensors.get, inlined: a method call is a tenth of this path on a slow host)
             e = self._checked._entries.get(id(x))
             if (e is not None and e[0]() is x and x.data_ptr() == e[1] and x.nbytes == e[2] and x.dtype is e[3]
-                    and x.is_contiguous()):
+                    and x.is_contiguous() and (not e[6] or _write_probe(e[1], e[2]))):
                 try:
                     opc = _FAST_OPS[op]
                 except (KeyError, TypeError):

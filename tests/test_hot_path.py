@@ -128,11 +128,11 @@ def test_a_dead_entry_does_not_serve_a_new_tensor_at_the_same_address(comm):
     assert comm._checked.get(y)[0] == y.data_ptr()
 
 
-def test_memory_outside_torchs_allocator_is_never_cached(comm, tmp_path):
+def test_memory_outside_torchs_allocator_is_probed_on_every_call(comm, tmp_path):
     a = np.ones(64, np.float32)
     x = torch.from_numpy(a)
     comm.all_reduce(x)
-    assert not cached(comm, x)
+    assert cached(comm, x) and comm._checked._entries[id(x)][6]  # entered, marked to be probed
     path = os.path.join(tmp_path, "ro.bin")
     np.ones(1024, np.float32).tofile(path)
     with warnings.catch_warnings():  # torch warns (once per process) that the array is not writable
@@ -141,6 +141,32 @@ def test_memory_outside_torchs_allocator_is_never_cached(comm, tmp_path):
     for _ in range(2):  # refused on every call: the probe runs each time
         with pytest.raises(ValueError, match="read-only memory"):
             comm.all_reduce(ro)
+    assert not cached(comm, ro)
+
+
+def test_memory_made_read_only_after_its_first_call_is_refused(comm):
+    """A tensor over memory outside torch's allocator is served from the table, but its memory is
+    probed on every call: made read-only after the first call (mprotect), the next is refused."""
+    import ctypes
+    import mmap
+
+    m = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    x = torch.from_numpy(np.frombuffer(m, np.float32))
+    x.fill_(1.0)
+    comm.all_reduce(x)
+    comm.all_reduce(x)
+    assert cached(comm, x)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(x.data_ptr(), len(m), mmap.PROT_READ) == 0
+    try:
+        with pytest.raises(ValueError, match="read-only memory"):
+            comm.all_reduce(x)
+    finally:
+        assert libc.mprotect(x.data_ptr(), len(m), mmap.PROT_READ | mmap.PROT_WRITE) == 0
+    comm.all_reduce(x)  # writeable again: served
+    assert torch.equal(x, torch.ones(len(m) // 4))
+    del x
 
 
 def test_the_table_stays_small(comm):
