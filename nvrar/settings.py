@@ -59,19 +59,20 @@ SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
 # G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
 # per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
-# up to 64 KB, two-shot from 128 KB on. On an AMD EPYC host (family 25, 2 cores, AVX2, KVM guest;
-# 2026-12-03) one-shot beat two-shot at 32 and 64 KB in each of five same-run comparisons (2
-# ranks, torch float32 tensors, cold, four alternated rounds of 100 calls, medians in us, one-shot
-# / two-shot: 32 KB 9.50/10.66, 13.55/14.42, 6.92/7.37, 14.70/15.26, and 12.66/13.84 beside a
-# spinning process; 64 KB 13.84/14.30, 17.94/18.55, 10.06/10.51, 19.65/19.91, 17.34/18.38) and
-# was level from 128 KB (25.19/24.79, 16.28/17.92, 28.12/28.43); two-shot's rounds since the
-# ranks of a node agree on their way (NOTE [cross-memory or staged]) cost about the same as
-# before. An earlier comparison on the same host (nvrar-bench, ordinary buffers) had one-shot
-# ahead up to 16 KB and level at 32 KB. Every rank must pick the same algorithm, so the threshold
-# cannot follow one rank's buffers. G = 1 has no intra-node phase, so both variants move the same
-# bytes. Larger G: not measured here (more ranks than cores); 16 KB is a guess between the two
-# costs. `nvrar tune` measures another machine.
-CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 64 << 10}
+# up to 32 KB, two-shot from 64 KB on. On an AMD EPYC host (family 25, 2 cores, AVX2, KVM guest;
+# 2026-12-03) one-shot beat two-shot at 32 KB in each of five same-run comparisons (2 ranks,
+# torch float32 tensors, cold, four alternated rounds of 100 calls, medians in us, one-shot /
+# two-shot: 9.50/10.66, 13.55/14.42, 6.92/7.37, 14.70/15.26, and 12.66/13.84 beside a spinning
+# process). At 64 KB it was ahead by 1-6% in the same runs (13.84/14.30, 17.94/18.55,
+# 10.06/10.51, 19.65/19.91, 17.34/18.38), but in a later latency_check (benchmarks/, 20:35 UTC)
+# with one-shot up to 64 KB, the 64 KB calls took 1.13-1.16x the time of 9a7423a's two-shot in
+# each of three rounds, while the host ran slow (that build's own 64 KB: 16.55 us against 7.5-8.8
+# in the other runs): so 64 KB stays two-shot. An earlier comparison on the same host
+# (nvrar-bench, ordinary buffers) had one-shot ahead up to 16 KB and level at 32 KB. Every rank
+# must pick the same algorithm, so the threshold cannot follow one rank's buffers. G = 1 has no
+# intra-node phase, so both variants move the same bytes. Larger G: not measured here (more ranks
+# than cores); 16 KB is a guess between the two costs. `nvrar tune` measures another machine.
+CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 32 << 10}
 CPU_ONESHOT_MAX_DEFAULT = 16 << 10
 
 # GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
