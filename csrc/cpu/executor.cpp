@@ -370,7 +370,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // of cross-memory's time at 32 KB-2 MB in some runs and 1.5-2.1 times it in others, with Open
   // MPI's own time moving 2.5x between the same runs. So above cma_min_bytes the calls are timed
   // (ns per byte, per shard size class, a moving average) both ways and the faster is taken, the
-  // other tried every kWayProbeEvery-th call. The ranks of a node take the same way: one that
+  // other tried kWayTrial calls in a row every kWayProbeEvery decisions. The ranks of a node take the same way: one that
   // stages while its peer reads across memory is slower than either way alone (same host,
   // 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us, cross-memory 130-139,
   // staged 69-91; ranks that chose apart, each on its own times, stayed apart, since every probe
@@ -431,14 +431,18 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
     const double x = ns / static_cast<double>(c.bytes);
     if (ws->streak > kWaySettle) avg = avg == 0 ? x : avg + (std::min(x, 2 * avg) - avg) * kWayWeight;
     // The way of the calls from call_no + 2 on: one not yet averaged, else the faster, and every
-    // kWayProbeEvery-th decision a trial of the other one.
+    // kWayProbeEvery-th decision a trial of the other one (kWayTrial decisions of the way that
+    // was the other when the trial began, whatever its timed calls do to the averages meanwhile).
     const double* a = ws->ns_per_byte;
     int next = a[0] == 0 ? 0 : a[1] == 0 ? 1 : a[0] <= a[1] ? 0 : 1;
     if (a[0] != 0 && a[1] != 0) {
-      if (ws->trial == 0 && ++ws->seen % kWayProbeEvery == 0) ws->trial = kWayTrial;
+      if (ws->trial == 0 && ++ws->seen % kWayProbeEvery == 0) {
+        ws->trial = kWayTrial;
+        ws->trial_way = 1 - next;
+      }
       if (ws->trial > 0) {
         --ws->trial;
-        next = 1 - next;
+        next = ws->trial_way;
       }
     }
     const uint64_t old = __atomic_load_n(plan, __ATOMIC_RELAXED);

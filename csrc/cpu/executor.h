@@ -236,6 +236,7 @@ class CpuExecutor {
     uint32_t streak = 0;             // calls in a row that took it (the first kWaySettle are not averaged)
     uint32_t seen = 0;               // decisions made
     uint32_t trial = 0;              // decisions left in a trial of the other way
+    int trial_way = 0;               // the way on trial (fixed when the trial starts)
   };
   WayStat ways_[64];
   uint64_t calls_ = 0;  // all_reduce calls made (with data, world > 1): the same count on every rank
