@@ -10,7 +10,6 @@
 #define MADV_POPULATE_WRITE 23  // Linux 5.14+; an older kernel answers EINVAL (then /proc/self/maps decides)
 #endif
 
-#include <cerrno>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -227,7 +226,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("write_probe", [](uintptr_t ptr, size_t nbytes) {
 #ifdef MADV_POPULATE_WRITE
     if (nbytes == 0) return true;
-    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     const uintptr_t first = ptr & ~(page - 1), last = (ptr + nbytes - 1) & ~(page - 1);
     if (madvise(reinterpret_cast<void*>(first), page, MADV_POPULATE_WRITE) != 0) return false;
     return last == first || madvise(reinterpret_cast<void*>(last), page, MADV_POPULATE_WRITE) == 0;

@@ -249,7 +249,8 @@ def test_private_shards_go_both_ways_and_results_stay_exact():
     transfer."""
     from _launch import assert_all_ok, launch
 
-    # (With more ranks than cores shards below 256 KB are always staged: 3 ranks, 384 KB each.)
+    # 2 ranks: 384 KB messages, 192 KB shards; 3 ranks (more ranks than cores here, where shards
+    # below 256 KB are always staged): 768 KB messages, 256 KB shards.
     for world in (2, 3):
         args = {"count": (96 if world == 2 else 192) << 10, "calls": 40}
         reps = assert_all_ok(launch(world, "ways", args))

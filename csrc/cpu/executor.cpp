@@ -370,11 +370,11 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // of cross-memory's time at 32 KB-2 MB in some runs and 1.5-2.1 times it in others, with Open
   // MPI's own time moving 2.5x between the same runs. So above cma_min_bytes the calls are timed
   // (ns per byte, per shard size class, a moving average) both ways and the faster is taken, the
-  // other tried kWayTrial calls in a row every kWayProbeEvery decisions. The ranks of a node take the same way: one that
-  // stages while its peer reads across memory is slower than either way alone (same host,
-  // 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us, cross-memory 130-139,
-  // staged 69-91; ranks that chose apart, each on its own times, stayed apart, since every probe
-  // swapped both). So the node's leader (local index 0) alone measures and decides, and publishes
+  // other tried kWayTrial calls in a row every kWayProbeEvery decisions. The ranks of a node take
+  // the same way: one that stages while its peer reads across memory is slower than either way
+  // alone (same host, 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us,
+  // cross-memory 130-139, staged 69-91; ranks that chose apart, each on its own times, stayed
+  // apart, since every probe swapped both). So the node's leader (local index 0) alone measures and decides, and publishes
   // its choice in its segment header (way_plan, way_word) for calls from two calls on; every rank
   // reads it at the start of a call. The leader's store at the end of call j precedes its flags of
   // call j + 1, which every local peer acquires before its call j + 1 ends, so by call j + 2 they
