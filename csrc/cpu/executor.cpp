@@ -374,9 +374,9 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // the same way: one that stages while its peer reads across memory is slower than either way
   // alone (same host, 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us,
   // cross-memory 130-139, staged 69-91; ranks that chose apart, each on its own times, stayed
-  // apart, since every probe swapped both). So the node's leader (local index 0) alone measures and decides, and publishes
-  // its choice in its segment header (way_plan, way_word) for calls from two calls on; every rank
-  // reads it at the start of a call. The leader's store at the end of call j precedes its flags of
+  // apart, since every probe swapped both). So the node's leader (local index 0) alone measures
+  // and decides, and publishes its choice in its segment header (way_plan, way_word) for calls
+  // from two calls on; every rank reads it at the start of a call. The leader's store at the end of call j precedes its flags of
   // call j + 1, which every local peer acquires before its call j + 1 ends, so by call j + 2 they
   // all see it. The choice never touches the result: a rank advertises how its input and output
   // are reached (round.h, the ready cell's refs) and its peers follow; the reduction and its
