@@ -364,24 +364,24 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // NOTE [cross-memory or staged]
   // A two-shot shard in private memory reaches the peers either by cross-memory transfers
   // (process_vm_readv/writev: one copy, but system calls that pin pages) or staged through the
-  // segment (plain copies, one more of them). Which is faster depends on the host, and on one
-  // host it changes by the second: on a 2-core AMD EPYC KVM guest (2026-12-03, nvrar-bench
-  // --algorithms two-shot --buffers ordinary, NVRAR_CMA_MIN_BYTES=4M for staged) staged took 0.5-0.8
-  // of cross-memory's time at 32 KB-2 MB in some runs and 1.5-2.1 times it in others, with Open
-  // MPI's own time moving 2.5x between the same runs. So above cma_min_bytes the calls are timed
-  // (ns per byte, per shard size class, a moving average) both ways and the faster is taken, the
-  // other tried kWayTrial calls in a row every kWayProbeEvery decisions. The ranks of a node take
-  // the same way: one that stages while its peer reads across memory is slower than either way
-  // alone (same host, 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us,
-  // cross-memory 130-139, staged 69-91; ranks that chose apart, each on its own times, stayed
-  // apart, since every probe swapped both). So the node's leader (local index 0) alone measures
-  // and decides, and publishes its choice in its segment header (way_plan, way_word) for calls
-  // from two calls on; every rank reads it at the start of a call. The leader's store at the end of call j precedes its flags of
-  // call j + 1, which every local peer acquires before its call j + 1 ends, so by call j + 2 they
-  // all see it. The choice never touches the result: a rank advertises how its input and output
-  // are reached (round.h, the ready cell's refs) and its peers follow; the reduction and its
-  // order are the same either way (bitwise). An explicit NVRAR_CMA_MIN_BYTES or NVRAR_CMA=0 turn
-  // it off (cma_adapt). With more ranks than cores it applies from 256 KB shards (smaller ones are
+  // segment (plain copies, one more of them). Which is faster depends on the host, and on one host
+  // it changes by the second: on a 2-core AMD EPYC KVM guest (2026-12-03, nvrar-bench --algorithms
+  // two-shot --buffers ordinary, NVRAR_CMA_MIN_BYTES=4M for staged) staged took 0.5-0.8 of
+  // cross-memory's time at 32 KB-2 MB in some runs and 1.5-2.1 times it in others, with Open MPI's
+  // own time moving 2.5x between the same runs. So above cma_min_bytes the calls are timed (ns per
+  // byte, per shard size class, a moving average) both ways and the faster is taken, the other
+  // tried kWayTrial calls in a row every kWayProbeEvery decisions. The ranks of a node take the
+  // same way: one that stages while its peer reads across memory is slower than either way alone
+  // (same host, 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us, cross-memory
+  // 130-139, staged 69-91; ranks that chose apart, each on its own times, stayed apart, since every
+  // probe swapped both). So the node's leader (local index 0) alone measures and decides, and
+  // publishes its choice in its segment header (way_plan, way_word) for calls from two calls on;
+  // every rank reads it at the start of a call. The leader's store at the end of call j precedes
+  // its flags of call j + 1, which every local peer acquires before its call j + 1 ends, so by call
+  // j + 2 they all see it. The choice never touches the result: a rank advertises how its input and
+  // output are reached (round.h, the ready cell's refs) and its peers follow; the reduction and its
+  // order are the same either way (bitwise). An explicit NVRAR_CMA_MIN_BYTES or NVRAR_CMA=0 turn it
+  // off (cma_adapt). With more ranks than cores it applies from 256 KB shards (smaller ones are
   // staged, nvrar.settings.cpu_cma_min_bytes); there too the better way changes with the host's
   // regime: 4 ranks, 2 cores, 1 MB cold, same host 2026-12-03 20:20 UTC, medians of two runs each:
   // cross-memory 405-412 us, staged 183-187, chosen 193-221.
