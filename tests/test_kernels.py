@@ -219,6 +219,39 @@ def test_reduce_into_several_destinations(count):
         assert o.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("nsrc", [2, 3, 5, 8, 9])
+@pytest.mark.parametrize("count", [31, 32, 33, 100, 1027])
+def test_sums_of_misaligned_memory_into_several_destinations(dtype, nsrc, count):
+    """fp32 and int32 sums have a vector path of their own (csrc/cpu/reduce_kernels.cpp, sum_vec):
+    memory at any 4-byte offset, tails of every length, several destinations, the first of them
+    the second source (in place), against a left fold (fp32 rounding, int32 wrapping)."""
+    rng = np.random.default_rng(count * 100 + nsrc)
+    code = F32 if dtype == "float32" else I32
+
+    def misaligned(a, shift):
+        raw = np.zeros(a.size + 16, dtype=a.dtype)
+        start = (-raw.ctypes.data % 64) // 4 + shift  # 64-byte aligned, then `shift` elements on
+        view = raw[start:start + a.size]
+        view[:] = a
+        return view
+
+    if dtype == "float32":
+        vals = [(rng.standard_normal(count) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(nsrc)]
+    else:
+        vals = [rng.integers(-2**31, 2**31, count, dtype=np.int64).astype(np.int32) for _ in range(nsrc)]
+    want = vals[0].astype(np.float32 if dtype == "float32" else np.int64)
+    for v in vals[1:]:
+        want = (want + v).astype(np.float32) if dtype == "float32" else (want + v)
+    want = want.astype(np.float32) if dtype == "float32" else (((want + 2**31) % 2**32) - 2**31).astype(np.int32)
+    srcs = [misaligned(v, (k + 1) % 4) for k, v in enumerate(vals)]
+    outs = [misaligned(np.zeros(count, vals[0].dtype), shift) for shift in (3, 2)]
+    _C.reduce_into([srcs[1].ctypes.data] + [o.ctypes.data for o in outs], [s.ctypes.data for s in srcs], count,
+                   code, SUM, 1)
+    for o in [srcs[1]] + outs:
+        assert o.tobytes() == want.tobytes()
+
+
 def _ll_reference(payload: bytes, flag: int) -> list:
     """The LL packets of protocol/ll.h by their definition: packet i carries payload bytes
     [4i, 4i + 4), zero-padded, little-endian, under the 32-bit flag; at least one packet."""

@@ -1,5 +1,6 @@
 #include "reduce_kernels.h"
 
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -21,6 +22,15 @@ namespace {
 
 // Host vector tile: 64 elements per step, a length the compiler vectorizes for every ISA.
 constexpr int kHostVec = 64;
+// sum_vec's vector of T: unaligned, and allowed to alias T (it reads and writes through it). Named
+// as a member, not passed as a template argument (which would drop the attributes).
+template <typename T> struct SumVec;
+template <> struct SumVec<float> {
+  typedef float type __attribute__((vector_size(32), aligned(4), may_alias));
+};
+template <> struct SumVec<int32_t> {  // unsigned: int32 sums wrap, as OpSum's do
+  typedef uint32_t type __attribute__((vector_size(32), aligned(4), may_alias));
+};
 
 // NSRC sources known at compile time: the element loop holds one accumulator per element and
 // the source loop is unrolled, so the compiler keeps a tile in vector registers. The generic tile
@@ -38,13 +48,13 @@ NVRAR_KERNEL T fold_element(const T* const (&s)[NSRC], size_t i, Op op, bool sca
 }
 
 template <int NSRC, typename T, typename Op>
-NVRAR_KERNEL void reduce_fixed(T* const* dst, int ndst, const T* const* src, size_t n, Scale sc) {
+NVRAR_KERNEL void reduce_fixed(T* const* dst, int ndst, const T* const* src, size_t n, Scale sc, size_t start = 0) {
   const T* s[NSRC];
   for (int k = 0; k < NSRC; ++k) s[k] = src[k];
   const Op op{};
   const bool scale = sc.active();
   T out[kHostVec];
-  size_t off = 0;
+  size_t off = start;
   for (; off + kHostVec <= n; off += kHostVec) {  // whole tiles: a constant trip count
     for (int w = 0; w < kHostVec; ++w) out[w] = fold_element<NSRC>(s, off + w, op, scale, sc);
     for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, sizeof(out));
@@ -53,6 +63,38 @@ NVRAR_KERNEL void reduce_fixed(T* const* dst, int ndst, const T* const* src, siz
     for (size_t w = 0; w < n - off; ++w) out[w] = fold_element<NSRC>(s, off + w, op, scale, sc);
     for (int d = 0; d < ndst; ++d) std::memcpy(dst[d] + off, out, (n - off) * sizeof(T));
   }
+}
+
+// Sum of fp32 or int32 (wrapping) with GCC vector types, four 32-byte vectors (32 elements) per
+// step, held in registers. Per element the same operations in the same order as reduce_fixed
+// (src[0] + src[1] + ... left to right), so the same bits; a destination may be a source (the same
+// memory): every element of a step is read before any is stored. 20-25% faster than
+// reduce_fixed's loop through a stack tile (2 sources into 2 destinations in L2, AMD EPYC family
+// 25 model 1, 2026-12-03: 32 KB 1.60-1.68 us against 2.04-2.22, 64 KB 3.46-3.50 against 4.26-4.34).
+template <int NSRC, typename T>
+NVRAR_KERNEL void sum_vec(T* const* dst, int ndst, const T* const* src, size_t n) {
+  using V = typename SumVec<T>::type;
+  constexpr size_t kLanes = sizeof(V) / sizeof(T);
+  size_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    const V* s0 = reinterpret_cast<const V*>(src[0] + i);
+    V a0 = s0[0], a1 = s0[1], a2 = s0[2], a3 = s0[3];
+    for (int k = 1; k < NSRC; ++k) {
+      const V* sk = reinterpret_cast<const V*>(src[k] + i);
+      a0 += sk[0];
+      a1 += sk[1];
+      a2 += sk[2];
+      a3 += sk[3];
+    }
+    for (int d = 0; d < ndst; ++d) {
+      V* o = reinterpret_cast<V*>(dst[d] + i);
+      o[0] = a0;
+      o[1] = a1;
+      o[2] = a2;
+      o[3] = a3;
+    }
+  }
+  if (i < n) reduce_fixed<NSRC, T, OpSum>(dst, ndst, src, n, Scale{1.0f, 1}, i);  // the tail
 }
 
 template <typename T, typename Op>
@@ -67,6 +109,20 @@ NVRAR_KERNEL void reduce_impl(void* const* dst, int ndst, const void* const* src
   }
   T* const* d = reinterpret_cast<T* const*>(dst);
   const T* const* s = reinterpret_cast<const T* const*>(src);
+  if constexpr (std::is_same<Op, OpSum>::value && (std::is_same<T, float>::value || std::is_same<T, int32_t>::value)) {
+    if (!sc.active()) {
+      switch (nsrc) {
+        case 2: return sum_vec<2, T>(d, ndst, s, n);
+        case 3: return sum_vec<3, T>(d, ndst, s, n);
+        case 4: return sum_vec<4, T>(d, ndst, s, n);
+        case 5: return sum_vec<5, T>(d, ndst, s, n);
+        case 6: return sum_vec<6, T>(d, ndst, s, n);
+        case 7: return sum_vec<7, T>(d, ndst, s, n);
+        case 8: return sum_vec<8, T>(d, ndst, s, n);
+        default: break;
+      }
+    }
+  }
   switch (nsrc) {
     case 1: return reduce_fixed<1, T, Op>(d, ndst, s, n, sc);
     case 2: return reduce_fixed<2, T, Op>(d, ndst, s, n, sc);
