@@ -623,20 +623,61 @@ void CpuExecutor::Yield::operator()(uint64_t waited_ns) const {
   }
 }
 
+// NOTE [sharing a core]
+// Two ranks of a node can end up on one core while the process may run on more: the scheduler
+// placed them together beside other work (2 ranks and a busy process on 2 cores: the balancer sees
+// 2 + 1 tasks as balanced and leaves them so), or a cgroup's quota rather than its cpuset limits
+// them. A waiter there that spins for kSpinPhase keeps the core from the very rank it waits for:
+// every wait costs the whole spin, and calls took 240-460 us (2 ranks on one core of a 2-core AMD
+// EPYC KVM guest, Linux 6.18, the executor built to count 2 cores, 2026-12-04, nvrar-bench --timing
+// warm, 8 KB-1 MB, two runs; the same with the checks below: 15-260 us, the times of ranks that
+// know they share a core and yield at once). In --busy runs the same placement showed as call
+// medians of 0.5-4 ms in single rows. So a waiter for a local peer's flag publishes the CPU it runs
+// on in its segment header (cpu, stored where it changed; sched_getcpu costs a few ns), and
+// ends its spin as soon as the peer it waits for last published the same CPU: then it yields at
+// once (NOTE [waiting]), which hands the core to the peer. Checked at the start of the wait and
+// with every clock read of the spin (each 64 polls). A peer's published CPU may be stale (it moved
+// since its last wait): that costs a spin cut short or a spin in vain, never a result. (Sleeping on
+// a futex that the signaller rings, instead of yielding, was measured too, ranks pinned to one
+// core, back-to-back runs: 18-52 us at 8-64 KB and 289 at 1 MB, against 15-27 and 209 yielding.)
+int CpuExecutor::publish_cpu() {
+  const int cpu = sched_getcpu();
+  if (cpu < 0) return -1;
+  auto* h = reinterpret_cast<SegmentHeader*>(heap_.mine());
+  const auto v = static_cast<uint32_t>(cpu) + 1;
+  if (__atomic_load_n(&h->cpu, __ATOMIC_RELAXED) != v) __atomic_store_n(&h->cpu, v, __ATOMIC_RELAXED);
+  return cpu;
+}
+
+bool CpuExecutor::shares_my_core(int peer, int my_cpu) const {
+  if (my_cpu < 0) return false;
+  const auto* h = reinterpret_cast<const SegmentHeader*>(heap_.base(peer));
+  return __atomic_load_n(&h->cpu, __ATOMIC_RELAXED) == static_cast<uint32_t>(my_cpu) + 1;
+}
+
 template <typename Ready, typename Observed, typename Idle>
-void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle) {
+void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle,
+                             bool flag_wait) {
   if (ready()) return;
   auto* abort_cell = reinterpret_cast<Cell*>(heap_.mine() + layout_.abort_cell());
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   const auto spin_end = start + kSpinPhase;
-  for (uint64_t it = 1;; ++it) {
+  // NOTE [sharing a core]: a wait for a local peer's flag ends its spin when the peer shares my core.
+  const bool local_flag = flag_wait && site.peer != cfg_.rank && !remote(site.peer);
+  const int my_cpu = local_flag ? publish_cpu() : -1;
+  const bool shared = local_flag && shares_my_core(site.peer, my_cpu);
+  for (uint64_t it = 1; !shared; ++it) {
     if (ready()) return;
     if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);
     if (closing_.load(std::memory_order_relaxed))
       fail(ProtocolError::Kind::kViolation, "the communicator was closed by another thread during the call", site,
            epoch, 0);
-    if (it >= spin_polls_ || ((it & 63) == 0 && clock::now() >= spin_end)) break;
+    if (it >= spin_polls_) break;
+    if ((it & 63) == 0) {
+      if (clock::now() >= spin_end) break;
+      if (local_flag && shares_my_core(site.peer, my_cpu)) break;  // it cannot run while I spin
+    }
     cpu_relax();
   }
   if (intr_ != nullptr && intr_->block != nullptr) intr_->block(intr_->ctx);
@@ -688,7 +729,8 @@ std::pair<uint64_t, uint64_t> CpuExecutor::wait(size_t cell_off, uint64_t epoch,
   auto* c = reinterpret_cast<Cell*>(heap_.mine() + cell_off);
   const uint64_t target = flag_word(epoch, 0);
   uint64_t w = 0;
-  spin_until([&] { return (w = load_acquire(&c->word)) >= target; }, [&] { return flag_epoch(w); }, site, epoch);
+  spin_until([&] { return (w = load_acquire(&c->word)) >= target; }, [&] { return flag_epoch(w); }, site, epoch,
+             Yield{}, true);
   if (flag_epoch(w) != epoch)
     fail(ProtocolError::Kind::kViolation, "protocol violation: a flag arrived from a later round", site, epoch,
          flag_epoch(w));

@@ -170,7 +170,8 @@ class CpuExecutor {
   // Waits until every LL packet of `bytes` payload at my `off` carries this round's flag.
   void wait_ll(size_t off, size_t bytes, uint64_t epoch, uint32_t sig, const Site& site);
   // Polls `ready` (true: done) under the deadline, the abort cell and the peer's liveness;
-  // `observed` names what was seen, for the timeout message.
+  // `observed` names what was seen, for the timeout message. flag_wait: `ready` waits for a flag
+  // of site.peer (the spin ends early where that peer shares my core: NOTE [sharing a core]).
   // How a waiter gives its core away after the spin, given how long it has waited (NOTE
   // [waiting]): sched_yield, then sleeps. A wait for another host blocks on the link's event
   // instead once it has yielded a while (transport.h).
@@ -178,12 +179,17 @@ class CpuExecutor {
     void operator()(uint64_t waited_ns) const;
   };
   template <typename Ready, typename Observed, typename Idle = Yield>
-  void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle = Idle{});
+  void spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle = Idle{},
+                  bool flag_wait = false);
   void cma_transfer(bool write, int peer, void* local, uint64_t remote, size_t bytes, const Site& site, uint64_t epoch);
   [[noreturn]] void fail(ProtocolError::Kind kind, const std::string& what, const Site& site, uint64_t epoch,
                          uint64_t observed);
   [[noreturn]] void fail_from_abort(const Site& site, uint64_t epoch);
   void quiesce(uint64_t epoch);
+  // NOTE [sharing a core] (executor.cpp): my CPU, published in my header where it changed; and
+  // whether local peer `peer` last published the same.
+  int publish_cpu();
+  bool shares_my_core(int peer, int my_cpu) const;
   bool peer_alive(int peer) const;
   // Across hosts: the abort records just stored into the images of remote ranks' cells, sent.
   void post_remote_aborts();
