@@ -636,7 +636,9 @@ void CpuExecutor::Yield::operator()(uint64_t waited_ns) const {
 // on in its segment header (cpu, stored where it changed; sched_getcpu costs a few ns), and
 // ends its spin as soon as the peer it waits for last published the same CPU: then it yields at
 // once (NOTE [waiting]), which hands the core to the peer. Checked at the start of the wait and
-// with every clock read of the spin (each 64 polls). A peer's published CPU may be stale (it moved
+// with every clock read of the spin (each 64 polls); not with more ranks than cores, where the spin
+// is 16 polls anyway (and skipping those lost: 4 ranks on 2 cores, 16-128 KB, three alternated
+// runs, 88-167 us against 48-135). A peer's published CPU may be stale (it moved
 // since its last wait): that costs a spin cut short or a spin in vain, never a result. (Sleeping on
 // a futex that the signaller rings, instead of yielding, was measured too, ranks pinned to one
 // core, back-to-back runs: 18-52 us at 8-64 KB and 289 at 1 MB, against 15-27 and 209 yielding.)
@@ -664,7 +666,8 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
   const auto start = clock::now();
   const auto spin_end = start + kSpinPhase;
   // NOTE [sharing a core]: a wait for a local peer's flag ends its spin when the peer shares my core.
-  const bool local_flag = flag_wait && site.peer != cfg_.rank && !remote(site.peer);
+  // (With more ranks than cores the spin is a few polls already: NOTE [waiting].)
+  const bool local_flag = flag_wait && spin_polls_ == UINT64_MAX && site.peer != cfg_.rank && !remote(site.peer);
   const int my_cpu = local_flag ? publish_cpu() : -1;
   const bool shared = local_flag && shares_my_core(site.peer, my_cpu);
   for (uint64_t it = 1; !shared; ++it) {
