@@ -630,15 +630,15 @@ void CpuExecutor::Yield::operator()(uint64_t waited_ns) const {
 // them. A waiter there that spins for kSpinPhase keeps the core from the very rank it waits for:
 // every wait costs the whole spin, and calls took 240-460 us (2 ranks on one core of a 2-core AMD
 // EPYC KVM guest, Linux 6.18, the executor built to count 2 cores, 2026-12-04, nvrar-bench --timing
-// warm, 8 KB-1 MB, two runs; the same with the checks below: 15-260 us, the times of ranks that
+// warm, 8 KB-1 MB, two runs; the same with the checks below: 15-262 us, the times of ranks that
 // know they share a core and yield at once). In --busy runs the same placement showed as call
 // medians of 0.5-4 ms in single rows. So a waiter for a local peer's flag publishes the CPU it runs
 // on in its segment header (cpu, stored where it changed; sched_getcpu costs a few ns), and
 // ends its spin as soon as the peer it waits for last published the same CPU: then it yields at
 // once (NOTE [waiting]), which hands the core to the peer. Checked at the start of the wait and
 // with every clock read of the spin (each 64 polls); not with more ranks than cores, where the spin
-// is 16 polls anyway (and skipping those lost: 4 ranks on 2 cores, 16-128 KB, three alternated
-// runs, 88-167 us against 48-135). A peer's published CPU may be stale (it moved
+// is 16 polls anyway (and skipping those looked worse: 4 ranks on 2 cores, 16-128 KB, three
+// alternated runs, 88-167 us against 40-135). A peer's published CPU may be stale (it moved
 // since its last wait): that costs a spin cut short or a spin in vain, never a result. (Sleeping on
 // a futex that the signaller rings, instead of yielding, was measured too, ranks pinned to one
 // core, back-to-back runs: 18-52 us at 8-64 KB and 289 at 1 MB, against 15-27 and 209 yielding.)

@@ -68,9 +68,10 @@ NVRAR_KERNEL void reduce_fixed(T* const* dst, int ndst, const T* const* src, siz
 // Sum of fp32 or int32 (wrapping) with GCC vector types, four 32-byte vectors (32 elements) per
 // step, held in registers. Per element the same operations in the same order as reduce_fixed
 // (src[0] + src[1] + ... left to right), so the same bits; a destination may be a source (the same
-// memory): every element of a step is read before any is stored. 20-25% faster than
-// reduce_fixed's loop through a stack tile (2 sources into 2 destinations in L2, AMD EPYC family
-// 25 model 1, 2026-12-03: 32 KB 1.60-1.68 us against 2.04-2.22, 64 KB 3.46-3.50 against 4.26-4.34).
+// memory): every element of a step is read before any is stored. About 25% faster than
+// reduce_fixed's loop through a stack tile (2 sources into 2 destinations in L2, medians of 2000
+// calls, two runs, AMD EPYC family 25 model 1, 2026-12-03: 32 KB 1.37-1.63 us against 1.98-2.00,
+// 64 KB 2.94-3.04 against 3.93-3.94).
 template <int NSRC, typename T>
 NVRAR_KERNEL void sum_vec(T* const* dst, int ndst, const T* const* src, size_t n) {
   using V = typename SumVec<T>::type;
