@@ -95,7 +95,7 @@ NVRAR_KERNEL void sum_vec(T* const* dst, int ndst, const T* const* src, size_t n
       o[3] = a3;
     }
   }
-  if (i < n) reduce_fixed<NSRC, T, OpSum>(dst, ndst, src, n, Scale{1.0f, 1}, i);  // the tail
+  if (i < n) reduce_fixed<NSRC, T, OpSum>(dst, ndst, src, n, make_scale(RedOp::kSum, 1), i);  // the tail
 }
 
 template <typename T, typename Op>
