@@ -54,8 +54,60 @@ def fmt(n: int) -> str:
 
 
 # -- worker: one rank of one job -------------------------------------------------------------------
+class SpinBarrier:
+    """The barrier before every timed call, the same code in every job whatever its MPI library:
+    each library's MPI_Barrier leaves its ranks with an exit skew of its own, which the first rank
+    out waits inside the timed call, so a job's barrier would be timed as part of the library it
+    serves. Same host, 2 ranks, median exit skew, 2026-12-04: Open MPI 0.4-1.3 us, Intel MPI
+    0.6-0.9, MPICH 1.2-2.8; beside one spinning process Open MPI 2.2 us, Intel MPI 0.45-0.7 (its
+    mpiexec pins each rank to a core), MPICH 2.9-330. Here each rank has a cache line of a file
+    every rank of the job maps: a generation counter and the CPU it last ran on. A rank bumps its
+    counter and polls the others'; it yields its core while the rank it waits for last ran on the
+    same CPU (a spin there only keeps that rank off the core, and under EEVDF a task that spun
+    long is not handed the core back by the other's yield), and after 20000 polls (about 2 ms)
+    whatever the CPUs; at most BARRIER_S in all. Only where the job has no more ranks than the
+    host has CPUs (Worker.barrier): 4 ranks on 2 cores, this barrier left them a median skew of
+    36-52 us (yielding after 16 polls), and each job keeps its MPI_Barrier there, as before."""
+
+    BARRIER_S = 120.0
+
+    def __init__(self, path: str, rank: int, size: int) -> None:
+        import ctypes
+        import mmap
+
+        self.rank, self.size, self.gen = rank, size, 0
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < 64 * size:
+                os.ftruncate(fd, 64 * size)  # zeros; every rank may do it, before any bump (the job's MPI barrier)
+            self._map = mmap.mmap(fd, 64 * size)
+        finally:
+            os.close(fd)
+        self.cells = memoryview(self._map).cast("q")  # rank r: [8 r] generation, [8 r + 1] CPU
+        self._cpu = ctypes.CDLL(None).sched_getcpu
+
+    def wait(self) -> None:
+        self.gen += 1
+        g, cells, me = self.gen, self.cells, 8 * self.rank
+        cpu = self._cpu()
+        cells[me + 1] = cpu
+        cells[me] = g
+        polls, deadline = 0, time.monotonic() + self.BARRIER_S
+        for r in range(self.size):
+            while cells[8 * r] < g:
+                polls += 1
+                if polls & 63 == 0:
+                    if polls > 20000 or cells[8 * r + 1] == cpu:
+                        os.sched_yield()
+                        cpu = self._cpu()
+                        cells[me + 1] = cpu
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"latency_check: rank {self.rank} waited {self.BARRIER_S:.0f} s in "
+                                           f"the barrier for rank {r} (barrier {g})")
+
+
 class Worker:
-    def __init__(self, peers: bool, mpi_only: bool = False) -> None:
+    def __init__(self, peers: bool, barrier_path: str, mpi_only: bool = False) -> None:
         from mpi4py import MPI
 
         import torch
@@ -64,6 +116,9 @@ class Worker:
         self.world = MPI.COMM_WORLD
         self.rank, self.size = self.world.rank, self.world.size
         self.library = MPI.Get_library_version().replace("\x00", "").strip()  # Open MPI ends it with a NUL
+        # the timed calls' barrier: SpinBarrier, or with more ranks than CPUs the job's MPI_Barrier
+        self.barrier: Any = (SpinBarrier(barrier_path, self.rank, self.size).wait
+                             if self.size <= (os.cpu_count() or 1) else self.world.Barrier)
         self.nvrar: Any = None
         self.comm: Any = None
         self.single: Any = None
@@ -124,7 +179,8 @@ class Worker:
         for _ in range(max(3, min(20, iters // 5))):
             fn()
         ts = np.empty(iters)
-        barrier, clock = self.world.Barrier, time.perf_counter_ns
+        starts = np.empty(iters, np.int64)
+        barrier, clock = self.barrier, time.perf_counter_ns
         barrier()
         for i in range(iters):
             if timing == "cold":
@@ -132,9 +188,14 @@ class Worker:
             t0 = clock()
             fn()
             ts[i] = (clock() - t0) / 1e3
+            starts[i] = t0
         tmax = np.empty_like(ts)
         self.world.Allreduce(ts, tmax, op=self.MPI.MAX)
-        return {"us": [float(v) for v in tmax]}
+        # the barrier's exit skew (one host, one clock): the latest start minus the earliest
+        first, last = np.empty_like(starts), np.empty_like(starts)
+        self.world.Allreduce(starts, first, op=self.MPI.MIN)
+        self.world.Allreduce(starts, last, op=self.MPI.MAX)
+        return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3}
 
     def single_call(self, iters: int) -> Dict[str, Any]:
         """Rank 0 alone: wall time of one 8 KB torch all_reduce on a one-rank communicator."""
@@ -178,7 +239,7 @@ def _free_port() -> int:
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    w = Worker(args.peers, args.mpi_only)
+    w = Worker(args.peers, os.path.join(args.dir, f"barrier.{args.job}"), args.mpi_only)
     cmd_path = os.path.join(args.dir, f"cmd.{args.job}.{w.rank}")
     os.mkfifo(cmd_path)
     w.world.Barrier()
@@ -473,12 +534,14 @@ def coordinator(args: argparse.Namespace) -> int:
             job = jobs["new" if ranks == 2 else "new4"]
             job_of = {b: job if b not in PEERS else jobs[b if ranks == 2 else f"{b}{ranks}"] for b in peers}
             acc = {}
+            skews: Dict[str, List[float]] = {}
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
                     for b in (peers if r % 2 == 0 else peers[::-1]):
                         res = job_of[b].ask(what="measure", backend="mpi" if b in PEERS else b, bytes=s,
                                             timing="cold", iters=iters_for(s, ranks) // rounds + 5)
                         acc.setdefault((b, s), []).extend(res["us"])
+                        skews.setdefault(b, []).append(res["skew_us"])
                 if time.time() - t_start > args.budget_s:
                     print(f"# budget: {ranks} ranks stopped after round {r + 1}", flush=True)
                     break
@@ -498,6 +561,10 @@ def coordinator(args: argparse.Namespace) -> int:
                 row["libraries"] = {b: libraries[b] for b in peers if b in libraries}
                 results["peers"].append(row)
                 print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers) + f"  {row['ratio_best']:.2f}{mark}")
+            skew = {b: float(np.median(v)) for b, v in skews.items()}
+            results.setdefault("barrier_skew_us", {})[str(ranks)] = skew
+            print("# the harness barrier's exit skew before the timed calls (median us; not part of the times): "
+                  + ", ".join(f"{b} {v:.2f}" for b, v in skew.items()))
             sys.stdout.flush()
     finally:
         spinners.stop()
