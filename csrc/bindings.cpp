@@ -99,7 +99,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](int rank, int world, int ranks_per_node, size_t max_bytes, size_t pool_bytes,
                        size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
                        size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes, py::bytes secret,
-                       size_t hd_min_bytes, const std::string& test_kill_at, bool cma_adapt) {
+                       size_t hd_min_bytes, const std::string& test_kill_at, bool cma_adapt,
+                       bool cpu_spread) {
              CpuConfig c;
              c.rank = rank;
              c.world = world;
@@ -118,13 +119,14 @@ PYBIND11_MODULE(_C, m) {
              c.hd_min_bytes = hd_min_bytes;
              c.test_kill_at = test_kill_at;
              c.cma_adapt = cma_adapt;
+             c.cpu_spread = cpu_spread;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us"),
            py::arg("jitter_seed"), py::arg("cma"), py::arg("cma_min_bytes"), py::arg("cma_piece_bytes"),
            py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"), py::arg("hd_min_bytes"), py::arg("test_kill_at"),
-           py::arg("cma_adapt"))
+           py::arg("cma_adapt"), py::arg("cpu_spread") = true)
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def(
@@ -208,6 +210,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("pool_address", [](const CpuExecutor& ex) { return reinterpret_cast<uintptr_t>(ex.pool_base()); })
       .def_property_readonly("pool_bytes", &CpuExecutor::pool_bytes)
       .def_property_readonly("epoch", &CpuExecutor::epoch)
+      .def_property_readonly("cpu_moves", &CpuExecutor::cpu_moves)
       .def_property_readonly("failed", &CpuExecutor::failed)
       .def_property_readonly("failure", &CpuExecutor::failure)
       .def_property_readonly("max_bytes", [](const CpuExecutor& ex) { return ex.config().max_bytes; })

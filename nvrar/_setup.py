@@ -239,7 +239,7 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
                     jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
                     cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
                     hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "",
-                    cma_adapt=cma_adapt and not multi)
+                    cma_adapt=cma_adapt and not multi, cpu_spread=st.cpu_spread)
                 created["segment"] = ex.segment_name
                 if multi:
                     dev = route_device(os.environ.get("MASTER_ADDR"))

@@ -129,6 +129,14 @@ VARIABLES: Dict[str, EnvVar] = {
             "0 always copies through the shared segment.",
         ),
         EnvVar(
+            "NVRAR_CPU_SPREAD",
+            str(int(_defaults.CPU_SPREAD)),
+            "CPU executor: 1 lets a rank that finds its local peer on its own CPU at 16 waits in a row (the "
+            "scheduler put both on one core, beside other work) move itself to a CPU of its affinity mask "
+            "where no local peer runs, restoring the mask at once (NOTE [moving apart], "
+            "csrc/cpu/executor.cpp); 0 never touches the calling thread's affinity.",
+        ),
+        EnvVar(
             "NVRAR_CMA_MIN_BYTES",
             _defaults.size_text(_defaults.CMA_MIN_BYTES),
             "CPU executor: smallest shard moved by cross-memory reads and writes. Unset, above the "
@@ -267,6 +275,7 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
     cpu = device == "cpu"  # the CPU executor's own variables are read (and checked) only there
     cma_min = get_bytes("NVRAR_CMA_MIN_BYTES") if cpu else None
     cma = get_int("NVRAR_CMA") if cpu else None
+    spread = get_int("NVRAR_CPU_SPREAD") if cpu else None
     channels = get_int("NVRAR_GPU_CHANNELS") if not cpu else None
     if channels is not None and not 1 <= channels <= _defaults.GPU_MAX_CHANNELS:
         raise ValueError(f"NVRAR_GPU_CHANNELS must be 1 to {_defaults.GPU_MAX_CHANNELS}, got {channels}")
@@ -289,4 +298,5 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
         threads=_defaults.GPU_LAUNCH["threads"],
         block_bytes=_defaults.GPU_LAUNCH["block_bytes"],
         channels=_defaults.GPU_LAUNCH["channels"] if channels is None else channels,
+        cpu_spread=_defaults.CPU_SPREAD if spread is None else spread != 0,
     )

@@ -171,6 +171,9 @@ HD_MIN_BYTES_HOSTS = 64 << 10
 JITTER_US = 0.0
 JITTER_SEED = 0
 CMA = True
+# NOTE [moving apart] (csrc/cpu/executor.cpp): a rank that keeps finding its local peer on its own
+# CPU moves itself to a free CPU of its affinity mask (and restores the mask). 0: never.
+CPU_SPREAD = True
 
 # Settings that decide which bytes each round carries (chunking, algorithm, transport): every
 # rank must use the same values, checked once at construction (field -> name in the error).
@@ -232,6 +235,7 @@ class Settings:
     threads: int
     block_bytes: int
     channels: int = GPU_LAUNCH["channels"]  # NVRAR_GPU_CHANNELS; GPU only (the CPU sends per slice)
+    cpu_spread: bool = CPU_SPREAD  # NVRAR_CPU_SPREAD; CPU only
 
     def agreed(self) -> Dict[str, object]:
         """The values that must be equal on every rank (exchanged as JSON at construction)."""

@@ -460,7 +460,44 @@ def task_one_core(args: dict) -> dict:
     return {"median_us": float(np.median(us)), "under_100us": float((us < 100).mean()), "exact": exact}
 
 
-TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "crowded": task_crowded, "ways": task_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+def task_move_apart(args: dict) -> dict:
+    """NOTE [moving apart] (csrc/cpu/executor.cpp): ranks made where they may run on 2 CPUs (c0,
+    c1; a process the test started spins on c1), then every rank pinned to c0 for `pinned` calls,
+    then allowed c0 and c1 again: 2 ranks on c0 and the spinner on c1 look balanced to the
+    scheduler. Returns each later call's CPU, the moves the executor made and the final mask."""
+    c0, c1 = args["cpus"]
+    os.sched_setaffinity(0, {c0, c1})
+    comm = nvrar.Communicator(timeout=60)
+    W = comm.world_size
+    a = np.ones(2048, np.float32)
+    comm.all_reduce(a)
+    exact = True
+
+    def call(i: int) -> None:
+        nonlocal exact
+        a.fill(float(comm.rank + i))
+        comm.all_reduce(a)
+        exact = exact and bool((a == float(sum(range(W)) + W * i)).all())
+
+    os.sched_setaffinity(0, {c0})
+    for i in range(args["pinned"]):
+        call(i)
+    moves_pinned = comm._ex.cpu_moves
+    os.sched_setaffinity(0, {c0, c1})
+    import ctypes
+
+    getcpu = ctypes.CDLL(None).sched_getcpu
+    cpus = []
+    for i in range(args["calls"]):
+        call(i)
+        cpus.append(int(getcpu()))
+    out = {"cpus": cpus, "moves_pinned": moves_pinned, "moves": comm._ex.cpu_moves,
+           "mask": sorted(os.sched_getaffinity(0)), "exact": exact}
+    comm.close()
+    return out
+
+
+TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "move_apart": task_move_apart, "crowded": task_crowded, "ways": task_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
          "closed_peer": task_closed_peer, "stop": task_stop}
 

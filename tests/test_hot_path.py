@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -254,6 +256,46 @@ def test_ranks_moved_onto_one_core_hand_it_over_at_once():
     # Yielding at once: 28-30 us a call (median) where it was measured, 99% of calls under 100 us;
     # spinning first, every second call of each rank waits its spin out: 125-131 us, 50% under.
     assert min(rep["under_100us"] for rep in reps) >= 0.8, reps
+
+
+def _spinner_on(cpu: int, limit_s: float) -> "subprocess.Popen[bytes]":
+    code = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nend = time.monotonic() + {limit_s}\n"
+            "while time.monotonic() < end:\n    pass\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("spread", ["1", "0"])
+def test_ranks_left_on_one_core_beside_a_busy_one_move_apart(spread):
+    """NOTE [moving apart] (csrc/cpu/executor.cpp): 2 ranks on one CPU and a spinning process on
+    the other look balanced to the scheduler, and it left them so for whole runs while every call
+    paid the handover between them (28-45 us a call at 8-32 KB, against 5-17 us apart). The higher
+    rank must move itself to the other CPU and give its affinity mask back as it was; with
+    NVRAR_CPU_SPREAD=0 no rank moves and the mask is untouched."""
+    from _launch import assert_all_ok, launch
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs a process that may run on 2 CPUs")
+    c0, c1 = cpus[0], cpus[1]
+    spinner = _spinner_on(c1, 110)
+    try:
+        reps = assert_all_ok(launch(2, "move_apart", {"cpus": [c0, c1], "pinned": 100, "calls": 400},
+                                    env={"NVRAR_CPU_SPREAD": spread}, timeout=120))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    for rep in reps:
+        assert rep["exact"], rep
+        assert rep["mask"] == [c0, c1], rep["mask"]  # the caller's mask, as it was
+        assert rep["moves_pinned"] == 0, rep  # pinned to one CPU: nowhere to go
+    moves = [rep["moves"] for rep in reps]
+    if spread == "0":
+        assert moves == [0, 0], moves
+        return
+    assert sum(moves) >= 1, moves
+    # the last 200 calls: the two ranks on different CPUs (each rank's CPU right after call i)
+    apart = [a != b for a, b in zip(reps[0]["cpus"][-200:], reps[1]["cpus"][-200:])]
+    assert sum(apart) >= 0.8 * len(apart), (moves, sum(apart))
 
 
 def test_private_shards_go_both_ways_and_results_stay_exact():

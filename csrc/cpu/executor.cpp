@@ -26,6 +26,7 @@ constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);  // how often a 
 constexpr auto kSpinPhase = std::chrono::microseconds(100);     // a waiter spins at most this long before yielding
 constexpr uint64_t kSpinPollsOversubscribed = 16;  // more ranks than cores: polls before yielding
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
+constexpr auto kSpreadEvery = std::chrono::milliseconds(50);    // NOTE [moving apart]: at most one move per this long
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
 constexpr uint32_t kWayProbeEvery = 32;  // NOTE [cross-memory or staged]: every 32nd decision tries the other way
 constexpr uint32_t kWayTrial = 4;        // ... for this many calls in a row
@@ -351,6 +352,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   }
 
   note_call(count, dtype, static_cast<int32_t>(op), c.algorithm, 0, 0.0f);
+  if (shared_waits_ >= kSpreadAfter) spread_if_sharing();
   intr_ = intr;
   struct ClearIntr {
     const Interrupt** p;
@@ -657,6 +659,62 @@ bool CpuExecutor::shares_my_core(int peer, int my_cpu) const {
   return __atomic_load_n(&h->cpu, __ATOMIC_RELAXED) == static_cast<uint32_t>(my_cpu) + 1;
 }
 
+// NOTE [moving apart]
+// Ranks that share a core hand it to each other at every wait (NOTE [sharing a core]), and that
+// handover is what their calls cost. Beside one spinning process on a 2-core AMD EPYC KVM guest
+// (Linux 6.18, 2026-12-04; 2 ranks under mpirun without binding, 400 cold 8 KB calls per run, a
+// spin barrier before each, three runs), the scheduler kept both ranks on one CPU for every call
+// of all three runs (2 + 1 tasks look balanced to it), and the calls' medians were 30-155 us;
+// with the move below the ranks shared a CPU in 2-6% of the calls and the medians were 4.9-8.0 us
+// (Intel MPI, whose mpiexec pins each rank to a core, 5.4-6.9 us in the same runs). So once
+// kSpreadAfter flag waits in a row found their local peer on my CPU, the higher rank of the pair
+// moves (the lower one after twice as many, in case the higher one's flags are always ready when
+// it looks): it sets its affinity to one CPU of its mask on which no local peer last ran (as
+// published, NOTE [sharing a core]), which migrates it at once, and then restores its mask as it
+// was, so nothing of the user's placement changes but the CPU it is on now. The scheduler may
+// move it back later; then the count starts over, and a move happens at most every kSpreadEvery.
+// Nothing is done with more ranks than CPUs (the spin is 16 polls there and nothing is counted),
+// with one CPU in the mask, where every CPU of the mask has a local peer on it, nor with
+// NVRAR_CPU_SPREAD=0 (the caller's affinity is never touched then).
+void CpuExecutor::spread_if_sharing() {
+  const int peer = shared_with_;
+  if (peer < 0 || !cfg_.cpu_spread || (peer > cfg_.rank && shared_waits_ < 2 * kSpreadAfter)) return;
+  shared_waits_ = 0;
+  const auto now = std::chrono::steady_clock::now();
+  if (spreads_ != 0 && now - last_spread_ < kSpreadEvery) return;
+  const int cpu = sched_getcpu();
+  cpu_set_t mask;
+  if (cpu < 0 || sched_getaffinity(0, sizeof(mask), &mask) != 0 || CPU_COUNT(&mask) < 2) return;
+  cpu_set_t taken;
+  CPU_ZERO(&taken);
+  CPU_SET(cpu, &taken);
+  for (int l = 0; l < where_.G; ++l) {
+    const int r = where_.rank_of(where_.node, l);
+    if (r == cfg_.rank) continue;
+    const auto v = __atomic_load_n(&reinterpret_cast<const SegmentHeader*>(heap_.base(r))->cpu, __ATOMIC_RELAXED);
+    if (v > 0 && v <= CPU_SETSIZE) CPU_SET(static_cast<int>(v - 1), &taken);
+  }
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (!CPU_ISSET(c, &mask) || CPU_ISSET(c, &taken)) continue;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(c, &one);
+    if (sched_setaffinity(0, sizeof(one), &one) != 0) return;
+    // My own mask of a moment ago. Only a cpuset changed in between can refuse it; then every CPU,
+    // which the kernel cuts to the cpuset, rather than staying pinned to one.
+    if (sched_setaffinity(0, sizeof(mask), &mask) != 0) {
+      cpu_set_t all;
+      CPU_ZERO(&all);
+      for (int a = 0; a < CPU_SETSIZE; ++a) CPU_SET(a, &all);
+      sched_setaffinity(0, sizeof(all), &all);
+    }
+    ++spreads_;
+    last_spread_ = now;
+    publish_cpu();
+    return;
+  }
+}
+
 template <typename Ready, typename Observed, typename Idle>
 void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, uint64_t epoch, Idle idle,
                              bool flag_wait) {
@@ -670,6 +728,10 @@ void CpuExecutor::spin_until(Ready ready, Observed observed, const Site& site, u
   const bool local_flag = flag_wait && spin_polls_ == UINT64_MAX && site.peer != cfg_.rank && !remote(site.peer);
   const int my_cpu = local_flag ? publish_cpu() : -1;
   const bool shared = local_flag && shares_my_core(site.peer, my_cpu);
+  if (local_flag && my_cpu >= 0) {  // NOTE [moving apart]
+    shared_waits_ = shared ? shared_waits_ + 1 : 0;
+    shared_with_ = site.peer;
+  }
   for (uint64_t it = 1; !shared; ++it) {
     if (ready()) return;
     if (load_acquire(&abort_cell->word) != 0) fail_from_abort(site, epoch);

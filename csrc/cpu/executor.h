@@ -41,6 +41,7 @@ struct CpuConfig {
   bool cma = false;              // allow cross-memory reads/writes of peers' private buffers
   size_t cma_min_bytes = 0;      // smallest shard (bytes) moved by cross-memory reads/writes
   bool cma_adapt = false;        // above cma_min_bytes, choose cross-memory or staging by measured call times
+  bool cpu_spread = true;        // NOTE [moving apart]: a rank that shares its CPU with its peer may move
   size_t cma_piece_bytes = 0;    // cross-memory transfers go piece by piece, this large (bytes)
   size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
   size_t hd_min_bytes = 0;       // inter-node shards from this size use halving-doubling (0: never)
@@ -137,6 +138,8 @@ class CpuExecutor {
   char* pool_base() const { return heap_.mine() + layout_.pool_off; }
   size_t pool_bytes() const { return layout_.pool_bytes; }
   uint64_t epoch() const { return epoch_; }
+  // Moves made by NOTE [moving apart] since construction.
+  uint64_t cpu_moves() const { return spreads_; }
   const CpuConfig& config() const { return cfg_; }
   const SegmentLayout& segment_layout() const { return layout_; }
   bool failed() const { return !failure_.empty(); }
@@ -190,6 +193,11 @@ class CpuExecutor {
   // whether local peer `peer` last published the same.
   int publish_cpu();
   bool shares_my_core(int peer, int my_cpu) const;
+  // NOTE [moving apart] (executor.cpp): after kSpreadAfter flag waits in a row found their local
+  // peer on my CPU, the higher local rank of the pair moves itself to a CPU of its mask that no
+  // local peer published, and restores its mask. Called at the start of a call.
+  void spread_if_sharing();
+  static constexpr uint32_t kSpreadAfter = 16;  // waits in a row that found the peer on my CPU
   bool peer_alive(int peer) const;
   // Across hosts: the abort records just stored into the images of remote ranks' cells, sent.
   void post_remote_aborts();
@@ -222,6 +230,10 @@ class CpuExecutor {
   std::string failure_;
   std::mutex busy_;
   std::vector<uint64_t> peer_start_times_;  // 0 = liveness unknown for that peer
+  uint32_t shared_waits_ = 0;               // NOTE [moving apart]: flag waits in a row that found their peer on my CPU
+  int shared_with_ = -1;                    // the peer the last of them waited for
+  std::chrono::steady_clock::time_point last_spread_{};
+  uint64_t spreads_ = 0;                    // moves made (stats)
   std::vector<const char*> srcs_;           // reduce sources, one per local rank (no per-call allocation)
   std::vector<char*> dsts_;                 // reduce destinations (my output, pushed peers' outputs, my slot)
   std::vector<char*> piece_dsts_;           // the same, advanced to the current piece
