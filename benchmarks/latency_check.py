@@ -54,56 +54,18 @@ def fmt(n: int) -> str:
 
 
 # -- worker: one rank of one job -------------------------------------------------------------------
-class SpinBarrier:
-    """The barrier before every timed call, the same code in every job whatever its MPI library:
-    each library's MPI_Barrier leaves its ranks with an exit skew of its own, which the first rank
-    out waits inside the timed call, so a job's barrier would be timed as part of the library it
-    serves. Same host, 2 ranks, median exit skew, 2026-12-04: Open MPI 0.4-1.3 us, Intel MPI
-    0.6-0.9, MPICH 1.2-2.8; beside one spinning process Open MPI 2.2 us, Intel MPI 0.45-0.7 (its
-    mpiexec pins each rank to a core), MPICH 2.9-330. Here each rank has a cache line of a file
-    every rank of the job maps: a generation counter and the CPU it last ran on. A rank bumps its
-    counter and polls the others'; it yields its core while the rank it waits for last ran on the
-    same CPU (a spin there only keeps that rank off the core, and under EEVDF a task that spun
-    long is not handed the core back by the other's yield), and after 20000 polls (about 2 ms)
-    whatever the CPUs; at most BARRIER_S in all. Only where the job has no more ranks than the
-    host has CPUs (Worker.barrier): 4 ranks on 2 cores, this barrier left them a median skew of
-    36-52 us (yielding after 16 polls), and each job keeps its MPI_Barrier there, as before."""
+def _spin_barrier_module() -> Any:
+    """nvrar/bench/spin_barrier.py of this checkout, loaded by its path: the old build's jobs run
+    with that build first on sys.path, which has no such module, and every job must time its
+    calls after the same barrier."""
+    import importlib.util
 
-    BARRIER_S = 120.0
-
-    def __init__(self, path: str, rank: int, size: int) -> None:
-        import ctypes
-        import mmap
-
-        self.rank, self.size, self.gen = rank, size, 0
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < 64 * size:
-                os.ftruncate(fd, 64 * size)  # zeros; every rank may do it, before any bump (the job's MPI barrier)
-            self._map = mmap.mmap(fd, 64 * size)
-        finally:
-            os.close(fd)
-        self.cells = memoryview(self._map).cast("q")  # rank r: [8 r] generation, [8 r + 1] CPU
-        self._cpu = ctypes.CDLL(None).sched_getcpu
-
-    def wait(self) -> None:
-        self.gen += 1
-        g, cells, me = self.gen, self.cells, 8 * self.rank
-        cpu = self._cpu()
-        cells[me + 1] = cpu
-        cells[me] = g
-        polls, deadline = 0, time.monotonic() + self.BARRIER_S
-        for r in range(self.size):
-            while cells[8 * r] < g:
-                polls += 1
-                if polls & 63 == 0:
-                    if polls > 20000 or cells[8 * r + 1] == cpu:
-                        os.sched_yield()
-                        cpu = self._cpu()
-                        cells[me + 1] = cpu
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"latency_check: rank {self.rank} waited {self.BARRIER_S:.0f} s in "
-                                           f"the barrier for rank {r} (barrier {g})")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nvrar", "bench",
+                        "spin_barrier.py")
+    spec = importlib.util.spec_from_file_location("_nvrar_spin_barrier", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class Worker:
@@ -116,9 +78,12 @@ class Worker:
         self.world = MPI.COMM_WORLD
         self.rank, self.size = self.world.rank, self.world.size
         self.library = MPI.Get_library_version().replace("\x00", "").strip()  # Open MPI ends it with a NUL
-        # the timed calls' barrier: SpinBarrier, or with more ranks than CPUs the job's MPI_Barrier
-        self.barrier: Any = (SpinBarrier(barrier_path, self.rank, self.size).wait
-                             if self.size <= (os.cpu_count() or 1) else self.world.Barrier)
+        # the timed calls' barrier, the same code in every job (nvrar/bench/spin_barrier.py); with
+        # more ranks than CPUs the job's MPI_Barrier. Every rank maps the file before the
+        # worker's first MPI barrier, and none waits in it before that.
+        sb = _spin_barrier_module()
+        self.barrier: Any = (sb.SpinBarrier(barrier_path, self.rank, self.size).wait if sb.usable(self.size, 1)
+                             else self.world.Barrier)
         self.nvrar: Any = None
         self.comm: Any = None
         self.single: Any = None

@@ -230,3 +230,41 @@ def test_deepspeed_absent_is_skipped_with_the_reason(tmp_path):
     assert "not installed" in data["meta"]["skipped"]["deepspeed"]
     assert {r["backend"] for r in data["results"]} == {"nvrar"}
     assert "skipped: deepspeed (DeepSpeed is not installed" in res.stdout
+
+
+def test_spin_barrier_holds_every_rank_until_the_last_and_has_a_deadline(tmp_path):
+    """nvrar/bench/spin_barrier.py, the barrier before every cold-timed call of nvrar-bench and
+    latency_check: no rank leaves before the last one arrives, generation after generation, and a
+    rank that never comes ends the wait with an error naming it."""
+    import multiprocessing as mp
+
+    from nvrar.bench.spin_barrier import SpinBarrier
+
+    path = str(tmp_path / "barrier")
+    ctx = mp.get_context("fork")
+    left = ctx.Queue()
+
+    def rank(r: int) -> None:
+        b = SpinBarrier(path, r, 3, timeout_s=30)
+        for g in range(5):
+            if r == g % 3:
+                time.sleep(0.05)  # a different late rank each generation
+            arrived = time.monotonic()
+            b.wait()
+            left.put((g, r, arrived, time.monotonic()))
+
+    SpinBarrier(path, 0, 3).close()  # the file sized before any rank waits
+    procs = [ctx.Process(target=rank, args=(r,)) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    rows = [left.get(timeout=5) for _ in range(15)]
+    for g in range(5):
+        mine = [row for row in rows if row[0] == g]
+        last_arrival = max(row[2] for row in mine)
+        assert all(row[3] >= last_arrival for row in mine), mine
+    alone = SpinBarrier(str(tmp_path / "alone"), 0, 2, timeout_s=0.3)
+    with pytest.raises(RuntimeError, match="rank 0 waited 0.3 s for rank 1"):
+        alone.wait()

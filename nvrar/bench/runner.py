@@ -74,6 +74,47 @@ class Control:
         self.timeout = timeout  # every MPI wait of the channel (gloo's: its group's; nvrar's: its own)
         self.mpi = _mpi_world()
         self.kind = "mpi" if self.mpi is not None else ("gloo" if comm is None else "nvrar")
+        self.spin = self._spin_barrier() if self.mpi is not None else None
+        # before every cold-timed call: the spin barrier where it serves, else the channel's own
+        self.timed_barrier = self.spin.wait if self.spin is not None else self.barrier
+
+    def _spin_barrier(self) -> Any:
+        """nvrar/bench/spin_barrier.py, the same barrier before the timed calls in every MPI
+        library's job (each MPI_Barrier would leave its own exit skew inside the timed calls):
+        where the ranks share one host, no more of them than its CPUs. Rank 0 makes the file
+        with a random word in it, every rank maps it and checks that it sees the word (ranks of
+        other hosts with the same host name would not), and rank 0 unlinks it at once."""
+        import tempfile
+
+        from . import spin_barrier
+
+        world = self.mpi
+        hosts = len(set(world.allgather(socket.gethostname())))
+        if not spin_barrier.usable(world.Get_size(), hosts):
+            return None
+        made = None
+        if world.Get_rank() == 0:
+            fd, path = tempfile.mkstemp(prefix="nvrar-bench-barrier-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            word = int.from_bytes(os.urandom(7), "little") + 1
+            os.ftruncate(fd, spin_barrier.LINE * world.Get_size())
+            os.pwrite(fd, word.to_bytes(8, "little"), 8)  # rank 0's CPU cell, until its first wait
+            os.close(fd)
+            made = (path, word)
+        path, word = world.bcast(made, root=0)
+        sb = None
+        try:
+            sb = spin_barrier.SpinBarrier(path, world.Get_rank(), world.Get_size(), self.timeout, create=False)
+            seen = sb.cells[1] == word
+        except OSError:
+            seen = False
+        self.barrier()  # every rank has mapped it (or failed to)
+        if world.Get_rank() == 0:
+            os.unlink(path)
+        if not all(world.allgather(seen)):
+            if sb is not None:
+                sb.close()
+            return None
+        return sb
 
     def _finish(self, req: Any, what: str) -> None:
         """Polls an MPI request to completion within the deadline: a rank that never arrives
@@ -87,8 +128,8 @@ class Control:
                                  f"{self.timeout:.0f} s (--timeout) for the other ranks")
 
     def barrier(self) -> None:
-        """Also the barrier before each timed call of a cold measurement: under mpirun MPI's,
-        which releases the ranks within a microsecond or two of each other."""
+        """The channel's barrier; also the one before each cold-timed call where the spin barrier
+        does not serve (timed_barrier: ranks on several hosts, or more ranks than CPUs)."""
         if self.mpi is not None:
             self._finish(self.mpi.Ibarrier(), "barrier")
         elif self.comm is None:
@@ -298,7 +339,7 @@ def measure_size(backends: List[Backend], ctl: Control, size: int, args: Any, wo
             for timing in timings:
                 b.synchronize()
                 ctl.barrier()
-                barrier = ctl.barrier if timing == "cold" else None
+                barrier = ctl.timed_barrier if timing == "cold" else None
                 times.setdefault((i, timing), []).append(
                     ctl.max(time_calls(b, buf, args.op, n, args.device, args.cuda_graph, barrier)))
     rows = []
