@@ -82,8 +82,9 @@ class Worker:
         # more ranks than CPUs the job's MPI_Barrier. Every rank maps the file before the
         # worker's first MPI barrier, and none waits in it before that.
         sb = _spin_barrier_module()
-        self.barrier: Any = (sb.SpinBarrier(barrier_path, self.rank, self.size).wait if sb.usable(self.size, 1)
-                             else self.world.Barrier)
+        cpus = set().union(*(set(c) for c in self.world.allgather(sb.my_cpus())))  # one host
+        self.barrier: Any = (sb.SpinBarrier(barrier_path, self.rank, self.size).wait
+                             if sb.usable(self.size, 1, len(cpus)) else self.world.Barrier)
         self.nvrar: Any = None
         self.comm: Any = None
         self.single: Any = None
@@ -528,7 +529,9 @@ def coordinator(args: argparse.Namespace) -> int:
                 print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers) + f"  {row['ratio_best']:.2f}{mark}")
             skew = {b: float(np.median(v)) for b, v in skews.items()}
             results.setdefault("barrier_skew_us", {})[str(ranks)] = skew
-            print("# the harness barrier's exit skew before the timed calls (median us; not part of the times): "
+            which = "the check's spin barrier" if ranks <= len(os.sched_getaffinity(0)) else "each job's MPI_Barrier"
+            print(f"# exit skew of the barrier before the timed calls ({which}; median us over each library's "
+                  "calls; not part of the times): "
                   + ", ".join(f"{b} {v:.2f}" for b, v in skew.items()))
             sys.stdout.flush()
     finally:

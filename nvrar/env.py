@@ -131,10 +131,11 @@ VARIABLES: Dict[str, EnvVar] = {
         EnvVar(
             "NVRAR_CPU_SPREAD",
             str(int(_defaults.CPU_SPREAD)),
-            "CPU executor: 1 lets a rank that finds its local peer on its own CPU at 16 waits in a row (the "
-            "scheduler put both on one core, beside other work) move itself to a CPU of its affinity mask "
-            "where no local peer runs, restoring the mask at once (NOTE [moving apart], "
-            "csrc/cpu/executor.cpp); 0 never touches the calling thread's affinity.",
+            "CPU executor: 1 lets a rank whose waits find the peer on its own CPU 16 times in a row (32 for "
+            "the lower rank of the pair; the scheduler put both on one core, beside other work) move itself "
+            "to a CPU of its affinity mask where no rank of its host runs, restoring the mask at once, at "
+            "most once per 50 ms; never with more ranks in the job than CPUs in the mask (NOTE [moving "
+            "apart], csrc/cpu/executor.cpp). 0 never touches the calling thread's affinity.",
         ),
         EnvVar(
             "NVRAR_CMA_MIN_BYTES",

@@ -259,9 +259,12 @@ def test_ranks_moved_onto_one_core_hand_it_over_at_once():
 
 
 def _spinner_on(cpu: int, limit_s: float) -> "subprocess.Popen[bytes]":
-    code = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nend = time.monotonic() + {limit_s}\n"
-            "while time.monotonic() < end:\n    pass\n")
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+    """A process spinning on ``cpu`` (for at most limit_s), returned once it spins there."""
+    code = (f"import os, sys, time\nos.sched_setaffinity(0, {{{cpu}}})\nend = time.monotonic() + {limit_s}\n"
+            "print('spinning', flush=True)\nwhile time.monotonic() < end:\n    pass\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline() == b"spinning\n", "the spinning process did not start"
+    return p
 
 
 @pytest.mark.parametrize("spread", ["1", "0"])
@@ -277,7 +280,7 @@ def test_ranks_left_on_one_core_beside_a_busy_one_move_apart(spread):
     if len(cpus) < 2:
         pytest.skip("needs a process that may run on 2 CPUs")
     c0, c1 = cpus[0], cpus[1]
-    spinner = _spinner_on(c1, 110)
+    spinner = _spinner_on(c1, 200)
     try:
         reps = assert_all_ok(launch(2, "move_apart", {"cpus": [c0, c1], "pinned": 100, "calls": 400},
                                     env={"NVRAR_CPU_SPREAD": spread}, timeout=120))

@@ -127,6 +127,22 @@ def test_environment_texts_are_the_settings_defaults():
     assert float(v["NVRAR_JITTER_US"].default) == settings.JITTER_US
     assert int(v["NVRAR_JITTER_SEED"].default) == settings.JITTER_SEED
     assert bool(int(v["NVRAR_CMA"].default)) == settings.CMA
+    assert bool(int(v["NVRAR_CPU_SPREAD"].default)) == settings.CPU_SPREAD
+
+
+def test_cpu_spread_setting(monkeypatch):
+    # NOTE [moving apart] (csrc/cpu/executor.cpp): on by default, NVRAR_CPU_SPREAD=0 turns it off;
+    # read for the CPU executor only.
+    monkeypatch.delenv("NVRAR_CPU_SPREAD", raising=False)
+    assert env.resolve("cpu").cpu_spread is settings.CPU_SPREAD is True
+    monkeypatch.setenv("NVRAR_CPU_SPREAD", "0")
+    assert env.resolve("cpu").cpu_spread is False
+    assert env.resolve("cuda").cpu_spread is settings.CPU_SPREAD
+    monkeypatch.setenv("NVRAR_CPU_SPREAD", "1")
+    assert env.resolve("cpu").cpu_spread is True
+    monkeypatch.setenv("NVRAR_CPU_SPREAD", "yes")
+    with pytest.raises(ValueError, match="NVRAR_CPU_SPREAD"):
+        env.resolve("cpu")
 
 
 def test_gpu_channels_default_override_and_agreement(monkeypatch):

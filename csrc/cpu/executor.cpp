@@ -352,7 +352,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   }
 
   note_call(count, dtype, static_cast<int32_t>(op), c.algorithm, 0, 0.0f);
-  if (shared_waits_ >= kSpreadAfter) spread_if_sharing();
+  start_call_placement();  // NOTE [moving apart]
   intr_ = intr;
   struct ClearIntr {
     const Interrupt** p;
@@ -640,8 +640,9 @@ void CpuExecutor::Yield::operator()(uint64_t waited_ns) const {
 // once (NOTE [waiting]), which hands the core to the peer. Checked at the start of the wait and
 // with every clock read of the spin (each 64 polls); not with more ranks than cores, where the spin
 // is 16 polls anyway (and skipping those looked worse: 4 ranks on 2 cores, 16-128 KB, three
-// alternated runs, 88-167 us against 40-135). A peer's published CPU may be stale (it moved
-// since its last wait): that costs a spin cut short or a spin in vain, never a result. (Sleeping on
+// alternated runs, 88-167 us against 40-135). Each rank publishes its CPU again at the start of
+// every call (NOTE [moving apart]); a peer's published CPU may still be stale (it moved since):
+// that costs a spin cut short, a spin in vain or a move made in vain, never a result. (Sleeping on
 // a futex that the signaller rings, instead of yielding, was measured too, ranks pinned to one
 // core, back-to-back runs: 18-52 us at 8-64 KB and 289 at 1 MB, against 15-27 and 209 yielding.)
 int CpuExecutor::publish_cpu() {
@@ -666,35 +667,40 @@ bool CpuExecutor::shares_my_core(int peer, int my_cpu) const {
 // spin barrier before each, three runs), the scheduler kept both ranks on one CPU for every call
 // of all three runs (2 + 1 tasks look balanced to it), and the calls' medians were 30-155 us;
 // with the move below the ranks shared a CPU in 2-6% of the calls and the medians were 4.9-8.0 us
-// (Intel MPI, whose mpiexec pins each rank to a core, 5.4-6.9 us in the same runs). So once
-// kSpreadAfter flag waits in a row found their local peer on my CPU, the higher rank of the pair
-// moves (the lower one after twice as many, in case the higher one's flags are always ready when
-// it looks): it sets its affinity to one CPU of its mask on which no local peer last ran (as
-// published, NOTE [sharing a core]), which migrates it at once, and then restores its mask as it
+// (Intel MPI, whose mpiexec pins each rank to a core, 5.4-6.9 us in the same runs). Every rank
+// publishes its CPU at the start of every call and of every flag wait that does not find its
+// flag at once. Once kSpreadAfter such waits in a row found the peer waited for on my CPU, the
+// higher rank of the pair moves (the lower one after twice as many, in case the higher one's
+// flags are always there when it looks, so that it never counts): it sets its affinity to one CPU
+// of its mask on which no rank of this host last ran (the first such after its own CPU, so that
+// movers from different CPUs spread), which migrates it at once, and then restores its mask as it
 // was, so nothing of the user's placement changes but the CPU it is on now. The scheduler may
 // move it back later; then the count starts over, and a move happens at most every kSpreadEvery.
-// Nothing is done with more ranks than CPUs (the spin is 16 polls there and nothing is counted),
-// with one CPU in the mask, where every CPU of the mask has a local peer on it, nor with
+// A wait for a peer on another CPU resets the count: with three or more ranks it moves a rank
+// whose waits keep finding one peer on its CPU. Nothing is done with more ranks in the job than
+// CPUs in the mask at construction (the spin is 16 polls there and nothing is counted), with one
+// CPU in the mask, where every CPU of the mask has a rank of this host on it, nor with
 // NVRAR_CPU_SPREAD=0 (the caller's affinity is never touched then).
 void CpuExecutor::spread_if_sharing() {
   const int peer = shared_with_;
   if (peer < 0 || !cfg_.cpu_spread || (peer > cfg_.rank && shared_waits_ < 2 * kSpreadAfter)) return;
   shared_waits_ = 0;
   const auto now = std::chrono::steady_clock::now();
-  if (spreads_ != 0 && now - last_spread_ < kSpreadEvery) return;
+  if (spreads_.load(std::memory_order_relaxed) != 0 && now - last_spread_ < kSpreadEvery) return;
   const int cpu = sched_getcpu();
   cpu_set_t mask;
   if (cpu < 0 || sched_getaffinity(0, sizeof(mask), &mask) != 0 || CPU_COUNT(&mask) < 2) return;
   cpu_set_t taken;
   CPU_ZERO(&taken);
   CPU_SET(cpu, &taken);
-  for (int l = 0; l < where_.G; ++l) {
-    const int r = where_.rank_of(where_.node, l);
-    if (r == cfg_.rank) continue;
+  for (int r = 0; r < cfg_.world; ++r) {  // every rank of this host (emulated nodes included)
+    if (r == cfg_.rank || remote(r)) continue;
     const auto v = __atomic_load_n(&reinterpret_cast<const SegmentHeader*>(heap_.base(r))->cpu, __ATOMIC_RELAXED);
     if (v > 0 && v <= CPU_SETSIZE) CPU_SET(static_cast<int>(v - 1), &taken);
   }
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
+  // The first free CPU after mine (round the mask), so that movers from different CPUs spread.
+  for (int k = 1; k < CPU_SETSIZE; ++k) {
+    const int c = (cpu + k) % CPU_SETSIZE;
     if (!CPU_ISSET(c, &mask) || CPU_ISSET(c, &taken)) continue;
     cpu_set_t one;
     CPU_ZERO(&one);
@@ -708,7 +714,7 @@ void CpuExecutor::spread_if_sharing() {
       for (int a = 0; a < CPU_SETSIZE; ++a) CPU_SET(a, &all);
       sched_setaffinity(0, sizeof(all), &all);
     }
-    ++spreads_;
+    spreads_.fetch_add(1, std::memory_order_relaxed);
     last_spread_ = now;
     publish_cpu();
     return;

@@ -139,7 +139,7 @@ class CpuExecutor {
   size_t pool_bytes() const { return layout_.pool_bytes; }
   uint64_t epoch() const { return epoch_; }
   // Moves made by NOTE [moving apart] since construction.
-  uint64_t cpu_moves() const { return spreads_; }
+  uint64_t cpu_moves() const { return spreads_.load(std::memory_order_relaxed); }
   const CpuConfig& config() const { return cfg_; }
   const SegmentLayout& segment_layout() const { return layout_; }
   bool failed() const { return !failure_.empty(); }
@@ -193,9 +193,14 @@ class CpuExecutor {
   // whether local peer `peer` last published the same.
   int publish_cpu();
   bool shares_my_core(int peer, int my_cpu) const;
-  // NOTE [moving apart] (executor.cpp): after kSpreadAfter flag waits in a row found their local
-  // peer on my CPU, the higher local rank of the pair moves itself to a CPU of its mask that no
-  // local peer published, and restores its mask. Called at the start of a call.
+  // NOTE [moving apart] (executor.cpp): at the start of a call, publishes my CPU; after
+  // kSpreadAfter flag waits in a row found their peer on my CPU, the higher rank of the pair
+  // moves itself to a CPU of its mask that no rank of this host published, and restores its mask.
+  void start_call_placement() {
+    if (spin_polls_ != UINT64_MAX) return;
+    publish_cpu();
+    if (shared_waits_ >= kSpreadAfter) spread_if_sharing();
+  }
   void spread_if_sharing();
   static constexpr uint32_t kSpreadAfter = 16;  // waits in a row that found the peer on my CPU
   bool peer_alive(int peer) const;
@@ -233,7 +238,7 @@ class CpuExecutor {
   uint32_t shared_waits_ = 0;               // NOTE [moving apart]: flag waits in a row that found their peer on my CPU
   int shared_with_ = -1;                    // the peer the last of them waited for
   std::chrono::steady_clock::time_point last_spread_{};
-  uint64_t spreads_ = 0;                    // moves made (stats)
+  std::atomic<uint64_t> spreads_{0};        // moves made (stats; read by other threads)
   std::vector<const char*> srcs_;           // reduce sources, one per local rank (no per-call allocation)
   std::vector<char*> dsts_;                 // reduce destinations (my output, pushed peers' outputs, my slot)
   std::vector<char*> piece_dsts_;           // the same, advanced to the current piece

@@ -148,7 +148,7 @@ void CpuExecutor::all_reduce_add_rms_norm(void* x, void* residual, const void* w
               "); raise max_bytes");
   const uint32_t sig = fused_signature(rows * h, static_cast<int>(dtype), static_cast<int>(v), h, eps);
   note_call(rows * h, dtype, kFusedOpCode, v, h, eps);
-  if (shared_waits_ >= kSpreadAfter) spread_if_sharing();
+  start_call_placement();  // NOTE [moving apart]
   const ReduceFn fn = cpu_reduce_fn(dtype, RedOp::kSum);
   if (v == Algorithm::kOneShot && fused_scratch_.size() < std::min(chunk, rows) * row_bytes)
     fused_scratch_.resize(std::min(chunk, rows) * row_bytes);

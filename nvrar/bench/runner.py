@@ -89,8 +89,9 @@ class Control:
         from . import spin_barrier
 
         world = self.mpi
-        hosts = len(set(world.allgather(socket.gethostname())))
-        if not spin_barrier.usable(world.Get_size(), hosts):
+        seen = world.allgather((socket.gethostname(), spin_barrier.my_cpus()))
+        cpus = set().union(*(set(c) for _, c in seen))
+        if not spin_barrier.usable(world.Get_size(), len({h for h, _ in seen}), len(cpus)):
             return None
         made = None
         if world.Get_rank() == 0:

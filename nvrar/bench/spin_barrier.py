@@ -13,9 +13,9 @@ the CPU it last ran on. A rank bumps its counter and polls the others'. It yield
 the rank it waits for last ran on the same CPU (a spin there only keeps that rank off the core,
 and under EEVDF a task that spun long is not handed the core back by the other's yield), and
 after 20000 polls (about 2 ms) whatever the CPUs; at most ``timeout_s`` in all, then
-RuntimeError naming the rank waited for. For ranks on one host, no more of them than the host's
-CPUs: 4 ranks on 2 cores, it left a median skew of 36-52 us (yielding after 16 polls), so
-:func:`usable` says no there and the jobs keep their MPI_Barrier.
+RuntimeError naming the rank waited for. For ranks on one host, no more of them than the CPUs
+they may run on: 4 ranks on 2 cores, it left a median skew of 36-52 us (yielding after 16
+polls), so :func:`usable` says no there and the jobs keep their MPI_Barrier.
 """
 
 from __future__ import annotations
@@ -28,10 +28,17 @@ import time
 LINE = 64  # bytes per rank: [generation, CPU] as int64, on a cache line of its own
 
 
-def usable(ranks_here: int, hosts: int) -> bool:
-    """Whether the spin barrier serves a job of ``ranks_here`` ranks on this host, ``hosts``
-    hosts in all: one host, no more ranks than its CPUs."""
-    return hosts == 1 and ranks_here <= (os.cpu_count() or 1)
+def usable(ranks: int, hosts: int, cpus: int) -> bool:
+    """Whether the spin barrier serves a job of ``ranks`` ranks on ``hosts`` hosts whose ranks
+    may run on ``cpus`` CPUs in all (the union of their affinity masks, cpu_union: a launcher
+    may pin each rank to one, a container's cpuset may hold fewer than the host has): one host,
+    no more ranks than those CPUs. Every rank must pass the same values."""
+    return hosts == 1 and ranks <= cpus
+
+
+def my_cpus() -> list:
+    """The CPUs this process may run on (to be gathered: len of the union of every rank's)."""
+    return sorted(os.sched_getaffinity(0))
 
 
 class SpinBarrier:
