@@ -82,9 +82,9 @@ class Worker:
         # more ranks than CPUs the job's MPI_Barrier. Every rank maps the file before the
         # worker's first MPI barrier, and none waits in it before that.
         sb = _spin_barrier_module()
-        cpus = set().union(*(set(c) for c in self.world.allgather(sb.my_cpus())))  # one host
-        self.barrier: Any = (sb.SpinBarrier(barrier_path, self.rank, self.size).wait
-                             if sb.usable(self.size, 1, len(cpus)) else self.world.Barrier)
+        self.spin = sb.usable(1, self.world.allgather(sb.my_cpus()))  # one host
+        self.barrier: Any = (sb.SpinBarrier(barrier_path, self.rank, self.size).wait if self.spin
+                             else self.world.Barrier)
         self.nvrar: Any = None
         self.comm: Any = None
         self.single: Any = None
@@ -161,7 +161,8 @@ class Worker:
         first, last = np.empty_like(starts), np.empty_like(starts)
         self.world.Allreduce(starts, first, op=self.MPI.MIN)
         self.world.Allreduce(starts, last, op=self.MPI.MAX)
-        return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3}
+        return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3,
+                "barrier": "the check's spin barrier" if self.spin else "each job's MPI_Barrier"}
 
     def single_call(self, iters: int) -> Dict[str, Any]:
         """Rank 0 alone: wall time of one 8 KB torch all_reduce on a one-rank communicator."""
@@ -501,6 +502,7 @@ def coordinator(args: argparse.Namespace) -> int:
             job_of = {b: job if b not in PEERS else jobs[b if ranks == 2 else f"{b}{ranks}"] for b in peers}
             acc = {}
             skews: Dict[str, List[float]] = {}
+            which = ""  # which barrier the jobs used (every job of a rank count decides alike)
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
                     for b in (peers if r % 2 == 0 else peers[::-1]):
@@ -508,6 +510,7 @@ def coordinator(args: argparse.Namespace) -> int:
                                             timing="cold", iters=iters_for(s, ranks) // rounds + 5)
                         acc.setdefault((b, s), []).extend(res["us"])
                         skews.setdefault(b, []).append(res["skew_us"])
+                        which = res["barrier"]
                 if time.time() - t_start > args.budget_s:
                     print(f"# budget: {ranks} ranks stopped after round {r + 1}", flush=True)
                     break
@@ -529,7 +532,6 @@ def coordinator(args: argparse.Namespace) -> int:
                 print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers) + f"  {row['ratio_best']:.2f}{mark}")
             skew = {b: float(np.median(v)) for b, v in skews.items()}
             results.setdefault("barrier_skew_us", {})[str(ranks)] = skew
-            which = "the check's spin barrier" if ranks <= len(os.sched_getaffinity(0)) else "each job's MPI_Barrier"
             print(f"# exit skew of the barrier before the timed calls ({which}; median us over each library's "
                   "calls; not part of the times): "
                   + ", ".join(f"{b} {v:.2f}" for b, v in skew.items()))

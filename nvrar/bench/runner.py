@@ -74,9 +74,9 @@ class Control:
         self.timeout = timeout  # every MPI wait of the channel (gloo's: its group's; nvrar's: its own)
         self.mpi = _mpi_world()
         self.kind = "mpi" if self.mpi is not None else ("gloo" if comm is None else "nvrar")
-        self.spin = self._spin_barrier() if self.mpi is not None else None
+        spin = self._spin_barrier() if self.mpi is not None else None
         # before every cold-timed call: the spin barrier where it serves, else the channel's own
-        self.timed_barrier = self.spin.wait if self.spin is not None else self.barrier
+        self.timed_barrier = spin.wait if spin is not None else self.barrier
 
     def _spin_barrier(self) -> Any:
         """nvrar/bench/spin_barrier.py, the same barrier before the timed calls in every MPI
@@ -89,9 +89,8 @@ class Control:
         from . import spin_barrier
 
         world = self.mpi
-        seen = world.allgather((socket.gethostname(), spin_barrier.my_cpus()))
-        cpus = set().union(*(set(c) for _, c in seen))
-        if not spin_barrier.usable(world.Get_size(), len({h for h, _ in seen}), len(cpus)):
+        placed = world.allgather((socket.gethostname(), spin_barrier.my_cpus()))
+        if not spin_barrier.usable(len({h for h, _ in placed}), [c for _, c in placed]):
             return None
         made = None
         if world.Get_rank() == 0:

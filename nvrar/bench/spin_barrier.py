@@ -28,16 +28,16 @@ import time
 LINE = 64  # bytes per rank: [generation, CPU] as int64, on a cache line of its own
 
 
-def usable(ranks: int, hosts: int, cpus: int) -> bool:
-    """Whether the spin barrier serves a job of ``ranks`` ranks on ``hosts`` hosts whose ranks
-    may run on ``cpus`` CPUs in all (the union of their affinity masks, cpu_union: a launcher
-    may pin each rank to one, a container's cpuset may hold fewer than the host has): one host,
-    no more ranks than those CPUs. Every rank must pass the same values."""
-    return hosts == 1 and ranks <= cpus
+def usable(hosts: int, cpus_of_ranks: list) -> bool:
+    """Whether the spin barrier serves a job on ``hosts`` hosts whose ranks may run on
+    ``cpus_of_ranks`` (every rank's my_cpus(), gathered): one host, and no more ranks than the
+    CPUs of the union of their masks (a launcher may pin each rank to one CPU, a container's
+    cpuset may hold fewer than the host has). Every rank must pass the same values."""
+    return hosts == 1 and len(cpus_of_ranks) <= len(set().union(*map(set, cpus_of_ranks)))
 
 
 def my_cpus() -> list:
-    """The CPUs this process may run on (to be gathered: len of the union of every rank's)."""
+    """The CPUs this process may run on (gathered from every rank for usable())."""
     return sorted(os.sched_getaffinity(0))
 
 
