@@ -89,6 +89,7 @@ class Control:
         from . import spin_barrier
 
         world = self.mpi
+        self.barrier()  # every rank is there (within the deadline): the blocking gathers cannot wait long
         placed = world.allgather((socket.gethostname(), spin_barrier.my_cpus()))
         if not spin_barrier.usable(len({h for h, _ in placed}), [c for _, c in placed]):
             return None
