@@ -17,6 +17,7 @@
 #include "common/error.h"
 #include "cpu/executor.h"
 #include "cpu/reduce_kernels.h"
+#include "cpu/way_choice.h"
 #include "protocol/ll.h"
 #include "protocol/plan.h"
 #include "protocol/types.h"
@@ -211,6 +212,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("pool_bytes", &CpuExecutor::pool_bytes)
       .def_property_readonly("epoch", &CpuExecutor::epoch)
       .def_property_readonly("cpu_moves", &CpuExecutor::cpu_moves)
+      .def_property_readonly("way_calls", &CpuExecutor::way_calls)
       .def_property_readonly("failed", &CpuExecutor::failed)
       .def_property_readonly("failure", &CpuExecutor::failure)
       .def_property_readonly("max_bytes", [](const CpuExecutor& ex) { return ex.config().max_bytes; })
@@ -280,6 +282,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("count"), py::arg("chunk_elems"), py::arg("elem_size"), py::arg("slices"), py::arg("slice"));
   m.def("inter_final_slot", [](int N, int node) { return InterSchedule::make(N, node).final_slot(); });
   m.def("inter_num_slots", [](int N) { return InterSchedule::num_slots_for(N); });
+  // NOTE [cross-memory or staged]: the ways the executor's choice gives a run of calls of one
+  // size class whose call j takes times[j] = (staged, cross-memory) ns per byte (way_choice.h).
+  m.def("way_choice_trace", [](const std::vector<std::pair<double, double>>& times) {
+    std::vector<int> out(times.size());
+    way_choice_trace([&](uint64_t j, int way) { return way == 0 ? times[j].first : times[j].second; }, out.data(),
+                     out.size());
+    return out;
+  });
   m.def("segment_layout",
         [](int G, int N, size_t max_bytes, size_t min_zone_bytes, size_t pool_bytes, size_t cell_stride, int B,
            size_t ll_max_bytes) {

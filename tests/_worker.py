@@ -435,8 +435,10 @@ def task_ways(args: dict) -> dict:
         comm.all_reduce(a, algorithm="two-shot")
         exact = exact and a.tobytes() == want.tobytes()
         ways.append("cma" if ex.take_phase_times()["cma_ns"] > 0 else "staged")
+    way_calls = list(ex.way_calls)
     comm.close()
-    return {"ways": ways, "exact": exact, "cma_enabled": bool(ex.cma_enabled) if hasattr(ex, "cma_enabled") else None}
+    return {"ways": ways, "exact": exact, "way_calls": way_calls,
+            "cma_enabled": bool(ex.cma_enabled) if hasattr(ex, "cma_enabled") else None}
 
 
 def task_one_core(args: dict) -> dict:

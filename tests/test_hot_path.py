@@ -321,9 +321,12 @@ def test_private_shards_go_both_ways_and_results_stay_exact():
             if rep["cma_enabled"] is False:
                 pytest.skip("cross-memory access is not permitted between these processes (ptrace scope)")
             assert {"cma", "staged"} <= set(rep["ways"]), rep["ways"]
+            # Communicator._ex.way_calls counts the calls of each way the choice made
+            assert rep["way_calls"] == [rep["ways"].count("staged"), rep["ways"].count("cma")], rep
         # Every call, every rank the same way: a rank that stages reads no peer across memory.
         assert all(rep["ways"] == reps[0]["ways"] for rep in reps), [rep["ways"] for rep in reps]
     args = {"count": 64 << 10, "calls": 40}
     for rep in assert_all_ok(launch(2, "ways", args, env={"NVRAR_CMA_MIN_BYTES": "8K"})):
         assert rep["exact"], rep
         assert set(rep["ways"]) == {"cma"}, rep["ways"]
+        assert rep["way_calls"] == [0, 0], rep  # no choice made

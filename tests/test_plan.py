@@ -320,3 +320,51 @@ def test_segment_layout_regions_disjoint(G, N, B, ll):
             assert (hi - lo) * 2 <= L["zone_slice_bytes"]
     assert L["ll_slice_bytes"] >= (ll // 4 + (ll % 4 > 0)) * 8
     assert L["oneshot_chunk_bytes"] >= min(64 << 10, max_bytes) - 64 * B * 2
+
+
+# --- NOTE [cross-memory or staged]: the leader's choice of way, on made-up call times ---------------
+
+
+def _runs(ways, way):
+    """Start indices of the runs of `way` in the list."""
+    return [i for i, w in enumerate(ways) if w == way and (i == 0 or ways[i - 1] != way)]
+
+
+def test_way_choice_settles_on_the_faster_way_and_tries_the_other_ever_less_often():
+    """Staged 1.0 ns/byte, cross-memory 1.6, 1,000 calls: after the first calls (one way not yet
+    timed) every call but the trials goes staged; the trials are 4 calls of cross-memory each, the
+    gap between them doubling up to 128 decisions, so they keep coming but cost a few % of the
+    calls (a trial every 32 decisions cost 12.5%)."""
+    ways = _C.way_choice_trace([(1.0, 1.6)] * 1000)
+    assert set(ways[850:]) == {0, 1}, "the other way is still tried now and then"
+    trials = [i for i in _runs(ways, 1) if i >= 10]
+    assert all(ways[i:i + 4] == [1] * 4 and ways[i + 4] == 0 for i in trials), trials
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert gaps == sorted(gaps) and gaps[0] < 80 and 120 <= gaps[-1] <= 140, gaps
+    assert sum(ways[100:]) <= 0.04 * 900, sum(ways[100:])
+
+
+def test_way_choice_follows_the_host_both_ways():
+    """The host changes twice: staged 1.0 / cross-memory 1.6 for 500 calls, then 2.0 / 1.4 (a
+    slow regime), then 1.0 / 1.6 again. The way taken slows down at call 500, which is seen at
+    once; the way not taken speeds up at call 1000, which the next trial finds, and its first
+    timed call replaces the stale average (blended a quarter of the way, two trials' timed calls
+    would not have brought 2.0 under 1.4)."""
+    times = [(1.0, 1.6)] * 500 + [(2.0, 1.4)] * 500 + [(1.0, 1.6)] * 600
+    ways = _C.way_choice_trace(times)
+    assert ways[100:500].count(0) >= 0.95 * 400
+    switch = next(i for i in range(500, 1000) if ways[i:i + 20] == [1] * 20)
+    assert switch <= 515, switch  # two calls of delay, then the two untimed calls of a streak
+    assert ways[switch:1000].count(1) >= 0.95 * (1000 - switch)
+    back = next(i for i in range(1000, 1600) if ways[i:i + 20] == [0] * 20)
+    assert back <= 1000 + 140, back  # at most one full gap between trials
+    assert ways[back:].count(0) >= 0.95 * (1600 - back)
+
+
+def test_way_choice_ignores_a_single_slow_call():
+    """One call of the way taken 100 times slower (a time slice lost to another process) counts as
+    twice the average: the choice does not flip for it, beyond at most one trial's length."""
+    times = [(1.0, 1.6)] * 1000
+    times[600] = (100.0, 1.6)
+    ways = _C.way_choice_trace(times)
+    assert ways[600:700].count(1) <= 8, ways[600:700]

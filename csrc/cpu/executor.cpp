@@ -28,10 +28,6 @@ constexpr uint64_t kSpinPollsOversubscribed = 16;  // more ranks than cores: pol
 constexpr auto kYieldPhase = std::chrono::milliseconds(10);      // after this long, a waiter sleeps between polls
 constexpr auto kSpreadEvery = std::chrono::milliseconds(50);    // NOTE [moving apart]: at most one move per this long
 constexpr long kSleepNs = 100 * 1000;                            // sleep between polls after kYieldPhase (ns)
-constexpr uint32_t kWayProbeEvery = 32;  // NOTE [cross-memory or staged]: every 32nd decision tries the other way
-constexpr uint32_t kWayTrial = 4;        // ... for this many calls in a row
-constexpr uint32_t kWaySettle = 2;       // ... of which the first two are not timed
-constexpr double kWayWeight = 0.25;      // ... and each timed call moves its way's average a quarter of the way
 constexpr double kQuiesceMaxS = 1.0;  // longest a failing rank waits for a peer's cross-memory transfer window (s)
 constexpr double kMaxTimeoutS = 1e6;  // longest deadline accepted (a nanosecond clock overflows past ~292 years)
 
@@ -372,7 +368,8 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // cross-memory's time at 32 KB-2 MB in some runs and 1.5-2.1 times it in others, with Open MPI's
   // own time moving 2.5x between the same runs. So above cma_min_bytes the calls are timed (ns per
   // byte, per shard size class, a moving average) both ways and the faster is taken, the other
-  // tried kWayTrial calls in a row every kWayProbeEvery decisions. The ranks of a node take the
+  // tried kWayTrial calls in a row now and then (from every kWayProbeEvery decisions to every
+  // kWayProbeMax: way_choice.h). The ranks of a node take the
   // same way: one that stages while its peer reads across memory is slower than either way alone
   // (same host, 2026-12-03 20:00 UTC, 2 ranks, cold, medians: 1 MB mixed 159-172 us, cross-memory
   // 130-139, staged 69-91; ranks that chose apart, each on its own times, stayed apart, since every
@@ -392,7 +389,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   const size_t shard = std::min(c.chunk_elems, count) * c.es / G;
   const bool adapt = cfg_.cma_adapt && cma_enabled() && c.algorithm == Algorithm::kTwoShot && G > 1 &&
                      shard >= cfg_.cma_min_bytes && !(c.in_pool && c.out_pool);
-  WayStat* ws = nullptr;
+  WayChoice* ws = nullptr;
   uint64_t* plan = nullptr;
   int way = 1;
   std::chrono::steady_clock::time_point t0;
@@ -403,6 +400,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
     auto* lh = reinterpret_cast<SegmentHeader*>(heap_.base(leader));
     way = way_of(__atomic_load_n(&lh->way_plan[cls], __ATOMIC_RELAXED), call_no);
     round_cfg_.cma = way == 1;
+    way_calls_[way].fetch_add(1, std::memory_order_relaxed);
     if (leader == where_.rank) {
       ws = &ways_[cls];
       plan = &lh->way_plan[cls];
@@ -421,32 +419,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   if (ws != nullptr) {
     const double ns = static_cast<double>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-    // A way's first calls in a row are not averaged: the first meet the page faults of slots not
-    // touched before, and later ones still pay for the caches the other way left (same host: a
-    // staged 1 MB call took 850-1150 us the first two times, 160-190 us right after cross-memory
-    // calls, 100-120 us from the third in a row). So the other way is tried kWayTrial calls in a
-    // row, and only calls from the (kWaySettle + 1)-th in a row count. A call slower than twice
-    // the average (a time slice lost to another process) counts as twice the average.
-    ws->streak = way == ws->last ? ws->streak + 1 : 1;
-    ws->last = way;
-    double& avg = ws->ns_per_byte[way];
-    const double x = ns / static_cast<double>(c.bytes);
-    if (ws->streak > kWaySettle) avg = avg == 0 ? x : avg + (std::min(x, 2 * avg) - avg) * kWayWeight;
-    // The way of the calls from call_no + 2 on: one not yet averaged, else the faster, and every
-    // kWayProbeEvery-th decision a trial of the other one (kWayTrial decisions of the way that
-    // was the other when the trial began, whatever its timed calls do to the averages meanwhile).
-    const double* a = ws->ns_per_byte;
-    int next = a[0] == 0 ? 0 : a[1] == 0 ? 1 : a[0] <= a[1] ? 0 : 1;
-    if (a[0] != 0 && a[1] != 0) {
-      if (ws->trial == 0 && ++ws->seen % kWayProbeEvery == 0) {
-        ws->trial = kWayTrial;
-        ws->trial_way = 1 - next;
-      }
-      if (ws->trial > 0) {
-        --ws->trial;
-        next = ws->trial_way;
-      }
-    }
+    const int next = ws->after_call(way, ns / static_cast<double>(c.bytes));  // way_choice.h
     const uint64_t old = __atomic_load_n(plan, __ATOMIC_RELAXED);
     __atomic_store_n(plan, way_word(call_no + 2, way_of(old, call_no + 1), next), __ATOMIC_RELAXED);
   }

@@ -20,6 +20,7 @@
 #include "fused.h"
 #include "reduce_kernels.h"
 #include "shm_heap.h"
+#include "way_choice.h"
 
 namespace nvrar {
 
@@ -140,6 +141,11 @@ class CpuExecutor {
   uint64_t epoch() const { return epoch_; }
   // Moves made by NOTE [moving apart] since construction.
   uint64_t cpu_moves() const { return spreads_.load(std::memory_order_relaxed); }
+  // Calls whose two-shot shards went staged ([0]) or by cross-memory transfer ([1]) under NOTE
+  // [cross-memory or staged]'s choice, since construction (calls it did not decide are not counted).
+  std::pair<uint64_t, uint64_t> way_calls() const {
+    return {way_calls_[0].load(std::memory_order_relaxed), way_calls_[1].load(std::memory_order_relaxed)};
+  }
   const CpuConfig& config() const { return cfg_; }
   const SegmentLayout& segment_layout() const { return layout_; }
   bool failed() const { return !failure_.empty(); }
@@ -239,6 +245,7 @@ class CpuExecutor {
   int shared_with_ = -1;                    // the peer the last of them waited for
   std::chrono::steady_clock::time_point last_spread_{};
   std::atomic<uint64_t> spreads_{0};        // moves made (stats; read by other threads)
+  std::atomic<uint64_t> way_calls_[2] = {};  // calls per way (stats; read by other threads)
   std::vector<const char*> srcs_;           // reduce sources, one per local rank (no per-call allocation)
   std::vector<char*> dsts_;                 // reduce destinations (my output, pushed peers' outputs, my slot)
   std::vector<char*> piece_dsts_;           // the same, advanced to the current piece
@@ -251,17 +258,9 @@ class CpuExecutor {
   RoundConfig round_cfg_{};
   CallLimits limits_{};                     // what the configuration fixes for every call (protocol/call.h)
   uint64_t spin_polls_ = 0;                 // polls at most before a waiter starts yielding the core
-  // NOTE [cross-memory or staged] (executor.cpp): per size class (log2 of the shard), the
-  // smoothed call time (ns per byte) of each way, and the eligible calls seen (a node leader's).
-  struct WayStat {
-    double ns_per_byte[2] = {0, 0};  // [0] staged, [1] cross-memory
-    int last = -1;                   // the way of the last call of this class
-    uint32_t streak = 0;             // calls in a row that took it (the first kWaySettle are not averaged)
-    uint32_t seen = 0;               // decisions made
-    uint32_t trial = 0;              // decisions left in a trial of the other way
-    int trial_way = 0;               // the way on trial (fixed when the trial starts)
-  };
-  WayStat ways_[64];
+  // NOTE [cross-memory or staged] (executor.cpp): the choice per size class (log2 of the shard;
+  // way_choice.h), a node leader's.
+  WayChoice ways_[64];
   uint64_t calls_ = 0;  // all_reduce calls made (with data, world > 1): the same count on every rank
   bool cma_on_ = false;                     // cross-memory access enabled (enable_cma)
   uint64_t born_fork_gen_ = 0;              // fork generation of the creating process (executor.cpp)
