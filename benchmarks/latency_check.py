@@ -147,6 +147,9 @@ class Worker:
         ts = np.empty(iters)
         starts = np.empty(iters, np.int64)
         barrier, clock = self.barrier, time.perf_counter_ns
+        # nvrar's way for two-shot shards in private memory (staged, cross-memory) over the timed
+        # calls, rank 0's count (Communicator._ex.way_calls; the old build has none)
+        ways0 = getattr(self.comm._ex, "way_calls", None) if backend.startswith("nvrar") else None
         barrier()
         for i in range(iters):
             if timing == "cold":
@@ -161,7 +164,11 @@ class Worker:
         first, last = np.empty_like(starts), np.empty_like(starts)
         self.world.Allreduce(starts, first, op=self.MPI.MIN)
         self.world.Allreduce(starts, last, op=self.MPI.MAX)
-        return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3,
+        ways = None
+        if ways0 is not None:
+            ways1 = self.comm._ex.way_calls
+            ways = [int(ways1[0] - ways0[0]), int(ways1[1] - ways0[1])]
+        return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3, "ways": ways,
                 "barrier": "the check's spin barrier" if self.spin else "each job's MPI_Barrier"}
 
     def single_call(self, iters: int) -> Dict[str, Any]:
@@ -502,6 +509,7 @@ def coordinator(args: argparse.Namespace) -> int:
             job_of = {b: job if b not in PEERS else jobs[b if ranks == 2 else f"{b}{ranks}"] for b in peers}
             acc = {}
             skews: Dict[str, List[float]] = {}
+            ways: Dict[Any, List[int]] = {}
             which = ""  # which barrier the jobs used (every job of a rank count decides alike)
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
@@ -510,6 +518,10 @@ def coordinator(args: argparse.Namespace) -> int:
                                             timing="cold", iters=iters_for(s, ranks) // rounds + 5)
                         acc.setdefault((b, s), []).extend(res["us"])
                         skews.setdefault(b, []).append(res["skew_us"])
+                        if res.get("ways") is not None:
+                            w = ways.setdefault((b, s), [0, 0])
+                            w[0] += res["ways"][0]
+                            w[1] += res["ways"][1]
                         which = res["barrier"]
                 if time.time() - t_start > args.budget_s:
                     print(f"# budget: {ranks} ranks stopped after round {r + 1}", flush=True)
@@ -528,8 +540,14 @@ def coordinator(args: argparse.Namespace) -> int:
                 if "deepspeed" in row:
                     row["ratio_ds"] = row["nvrar"] / row["deepspeed"]
                 row["libraries"] = {b: libraries[b] for b in peers if b in libraries}
+                row["ways"] = {b: ways[(b, s)] for b in peers if (b, s) in ways and sum(ways[(b, s)]) > 0}
                 results["peers"].append(row)
                 print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers) + f"  {row['ratio_best']:.2f}{mark}")
+            way_text = "; ".join(f"{fmt(r['bytes'])} " + ", ".join(f"{b} {w[0]}/{w[1]}" for b, w in r["ways"].items())
+                                 for r in results["peers"] if r["ranks"] == ranks and r["ways"])
+            if way_text:
+                print("# nvrar's two-shot shards staged / by cross-memory transfer, timed calls of rank 0 "
+                      f"(NOTE [cross-memory or staged]): {way_text}")
             skew = {b: float(np.median(v)) for b, v in skews.items()}
             results.setdefault("barrier_skew_us", {})[str(ranks)] = skew
             print(f"# exit skew of the barrier before the timed calls ({which}; median us over each library's "
