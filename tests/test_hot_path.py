@@ -40,6 +40,25 @@ def test_a_checked_tensor_is_served_from_the_cache(comm):
     assert torch.equal(x, torch.ones(64))
 
 
+def test_a_named_algorithm_is_served_from_the_cache_too(comm, monkeypatch):
+    """algorithm="one-shot" / "two-shot" / "auto" on a checked tensor takes the per-call path
+    (it took the full checks, 2 us more a call, until 2026-12-04); a bad name still raises."""
+    x = torch.ones(64)
+    comm.all_reduce(x)
+    assert cached(comm, x)
+
+    def refuse(*a, **k):
+        raise AssertionError("the full checks ran")
+
+    monkeypatch.setattr(nvrar._arrays, "torch_info", refuse)
+    for name in ("one-shot", "two-shot", "auto"):
+        comm.all_reduce(x, algorithm=name)
+    assert torch.equal(x, torch.ones(64))
+    for bad in ("three-shot", ["one-shot"]):
+        with pytest.raises(ValueError, match="unknown algorithm"):
+            comm.all_reduce(x, algorithm=bad)
+
+
 def test_out_and_algorithm_calls_never_fill_it(comm):
     x, y = torch.ones(64), torch.empty(64)
     comm.all_reduce(x, out=y)
