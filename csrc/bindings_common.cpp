@@ -50,4 +50,23 @@ void translate(std::exception_ptr p) {
 
 void register_error_translator() { py::register_exception_translator(&translate); }
 
+// The Python error of a C++ exception, for functions bound without pybind11's dispatch (which
+// applies `translate` and its own defaults): nvrar's errors as above, a pending Python error as
+// it is, others as pybind11 maps them (MemoryError, RuntimeError).
+void set_python_error(std::exception_ptr p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error&) {
+    translate(p);
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "nvrar: unknown C++ exception");
+  }
+}
+
 }  // namespace nvrar

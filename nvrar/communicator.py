@@ -20,6 +20,7 @@ import numpy as np
 from . import _arrays, _pool, _setup, env, selector
 from . import settings as _config
 from . import bootstrap as _bootstrap
+from ._C import cpu_all_reduce as _cpu_all_reduce
 from ._C import write_probe as _write_probe
 from .errors import NvrarError
 
@@ -173,7 +174,9 @@ class Communicator:
         self._bootstrap_kind = boot.kind
         self._pool = _pool.PoolAllocator(self._ex.pool_bytes)
         self._pool_base = self._ex.pool_address
-        self._all_reduce = self._ex.all_reduce  # bound once: the per-call path stays short
+        # bound once: the per-call path stays short (on the CPU without pybind11's dispatch)
+        self._all_reduce = (functools.partial(_cpu_all_reduce, self._ex) if self._device == "cpu"
+                            else self._ex.all_reduce)
         _live.add(self)
         _setup.die_at(kill_at, "constructed")
 

@@ -127,6 +127,39 @@ def test_empty_outlives_close():
     gc.collect()
 
 
+def test_the_per_call_binding_checks_its_arguments_and_raises_nvrar_errors():
+    """nvrar._C.cpu_all_reduce (Communicator.all_reduce's per-call path, bound without pybind11's
+    dispatch): wrong arguments raise TypeError / OverflowError, never reach the executor, and the
+    executor's errors arrive as nvrar.errors exceptions, as through CpuExecutor.all_reduce."""
+    from nvrar import _C
+    from nvrar.bootstrap import SingleBootstrap
+    from nvrar.errors import NvrarError
+
+    with nvrar.Communicator(group=SingleBootstrap()) as c:
+        a = np.arange(8, dtype=np.float32)
+        ptr = a.ctypes.data
+        f32, add, auto = _C.DTYPE_CODES["float32"], _C.OP_CODES["sum"], _C.ALGORITHM_CODES["auto"]
+        _C.cpu_all_reduce(c._ex, ptr, ptr, 8, f32, add, auto)
+        assert a.tolist() == list(range(8))
+        with pytest.raises(TypeError, match="CpuExecutor"):
+            _C.cpu_all_reduce("not an executor", ptr, ptr, 8, f32, add, auto)
+        with pytest.raises(TypeError, match="CpuExecutor"):
+            _C.cpu_all_reduce(None, ptr, ptr, 8, f32, add, auto)
+        with pytest.raises(TypeError, match="7 positional"):
+            _C.cpu_all_reduce(c._ex, ptr, ptr)
+        with pytest.raises((TypeError, OverflowError)):
+            _C.cpu_all_reduce(c._ex, -1, ptr, 8, f32, add, auto)
+        with pytest.raises(OverflowError):
+            _C.cpu_all_reduce(c._ex, ptr, ptr, 8, 1 << 40, add, auto)
+        for bad in ((99, add, auto), (f32, 99, auto), (f32, add, 99)):
+            with pytest.raises(NvrarError, match="unknown"):
+                _C.cpu_all_reduce(c._ex, ptr, ptr, 8, *bad)
+        ex = c._ex
+        c.close()
+        with pytest.raises(NvrarError, match="closed"):
+            _C.cpu_all_reduce(ex, ptr, ptr, 8, f32, add, auto)
+
+
 def test_algorithm_for_and_bad_options():
     with nvrar.Communicator(algorithm="two-shot") as c:
         assert c.algorithm_for(8) == "two-shot"
