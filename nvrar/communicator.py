@@ -175,8 +175,8 @@ class Communicator:
         self._pool = _pool.PoolAllocator(self._ex.pool_bytes)
         self._pool_base = self._ex.pool_address
         # bound once: the per-call path stays short (on the CPU without pybind11's dispatch)
-        self._all_reduce = (functools.partial(_cpu_all_reduce, self._ex) if self._device == "cpu"
-                            else self._ex.all_reduce)
+        self._all_reduce: Any = (functools.partial(_cpu_all_reduce, self._ex) if self._device == "cpu"
+                                 else self._ex.all_reduce)
         _live.add(self)
         _setup.die_at(kill_at, "constructed")
 
