@@ -368,3 +368,22 @@ def test_way_choice_ignores_a_single_slow_call():
     times[600] = (100.0, 1.6)
     ways = _C.way_choice_trace(times)
     assert ways[600:700].count(1) <= 8, ways[600:700]
+
+
+def test_way_choice_is_not_moved_by_calls_that_lost_a_time_slice():
+    """Beside a busy process a call now and then loses a time slice. 3% of the calls of either
+    way 50 times slower, the ways 1.1 times apart, 20 seeded runs of 3,000 calls: the slower way
+    takes few more calls than its trials (counted at twice the average, such calls had it take
+    a third of them); and a way that really slows down (three slow calls in a row) is still left."""
+    import random
+
+    share = []
+    for seed in range(20):
+        rnd = random.Random(seed)
+        times = [((50.0 if rnd.random() < 0.03 else 1.0) * rnd.uniform(0.95, 1.05),
+                  (50.0 if rnd.random() < 0.03 else 1.1) * rnd.uniform(0.95, 1.05)) for _ in range(3000)]
+        share.append(sum(_C.way_choice_trace(times)[100:]) / 2900)
+    assert max(share) <= 0.08 and sum(share) / len(share) <= 0.05, share
+    ways = _C.way_choice_trace([(1.0, 1.6)] * 500 + [(3.0, 1.6)] * 200)
+    switch = next(i for i in range(500, 700) if ways[i:i + 20] == [1] * 20)
+    assert switch <= 510 and ways[switch:].count(1) >= 0.9 * (700 - switch), ways[500:560]
