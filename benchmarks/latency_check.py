@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -374,6 +375,12 @@ class Spinners:
         while len(self.procs) < n:
             self.procs.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL))
 
+    def pause(self, on: bool) -> None:
+        """Stops (on) or resumes the spinners: the line round-trip probe is taken without them."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+
     def stop(self) -> None:
         while self.procs:
             self._end(self.procs.pop())
@@ -405,6 +412,29 @@ def floor_us(nbytes: int, copy_gbps: float, algorithm: str) -> Dict[str, Any]:
         how = "one-shot: stage-in s (r+w) + reduce (r 2s, w s) = 5 s touched"
     us = touched / 2 / (copy_gbps * 1e9) * 1e6
     return {"floor_us": us, "touched_bytes": touched, "how": how}
+
+
+def line_round_trip(spinners: Spinners) -> Optional[float]:
+    """The host's state at this moment: the median ns of a cache-line round trip between the
+    first two CPUs this process may use (nvrar._C.line_round_trip_ns, 5 x 2,000 round trips, a few
+    ms), or None with fewer than two CPUs. Taken before every size of every round, while every job
+    sleeps: small-message times follow it (2-core AMD EPYC KVM guest: 130-400 ns at some times,
+    600-800 at others). --busy's spinners are stopped meanwhile: the probe marks the host, not the
+    load."""
+    from nvrar import _C
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    spinners.pause(True)
+    try:
+        return float(np.median(_C.line_round_trip_ns(cpus[0], cpus[1])))
+    finally:
+        spinners.pause(False)
+
+
+def _rts(v: Optional[List[float]]) -> str:
+    return " / ".join(f"{x:.0f}" for x in v) if v else "-"
 
 
 def coordinator(args: argparse.Namespace) -> int:
@@ -461,8 +491,12 @@ def coordinator(args: argparse.Namespace) -> int:
         acc: Dict[Any, List[float]] = {}
         round_ratios: Dict[Any, List[float]] = {}
         sizes_a = sizes(8 * KB, 16 * MB)
+        probes: Dict[Any, List[float]] = {}
         for r in range(rounds):
             for s in sizes_a:
+                rt = line_round_trip(spinners)
+                if rt is not None:
+                    probes.setdefault(("a", s), []).append(rt)
                 for timing in ("cold", "warm"):
                     got = {}
                     for build in (("old", "new") if r % 2 == 0 else ("new", "old")):
@@ -479,9 +513,10 @@ def coordinator(args: argparse.Namespace) -> int:
         n_rounds = len(round_ratios[(sizes_a[0], "cold")])
         print(f"\n## (a) old build vs new, 2 ranks, torch float32 sum, us (per-call max over ranks); ratio = median "
               f"over {n_rounds} interleaved round{'s' if n_rounds != 1 else ''} of new/old{' (busy)' if busy else ''}")
-        print(f"{'size':>6} {'cold old':>9} {'cold new':>9} {'ratio':>6} {'warm old':>9} {'warm new':>9} {'ratio':>6}")
+        print(f"{'size':>6} {'cold old':>9} {'cold new':>9} {'ratio':>6} {'warm old':>9} {'warm new':>9} {'ratio':>6}"
+              "  line round trip ns")
         for s in sizes_a:
-            row: Dict[str, Any] = {"bytes": s, "busy": busy}
+            row: Dict[str, Any] = {"bytes": s, "busy": busy, "line_round_trip_ns": probes.get(("a", s))}
             for timing in ("cold", "warm"):
                 o, n = (stat(acc[(b, s, timing)]) for b in ("old", "new"))
                 rr = round_ratios[(s, timing)]
@@ -489,7 +524,7 @@ def coordinator(args: argparse.Namespace) -> int:
             results["old_new"].append(row)
             c, w = row["cold"], row["warm"]
             print(f"{fmt(s):>6} {c['old_us']:9.2f} {c['new_us']:9.2f} {c['ratio']:6.2f} "
-                  f"{w['old_us']:9.2f} {w['new_us']:9.2f} {w['ratio']:6.2f}{mark}")
+                  f"{w['old_us']:9.2f} {w['new_us']:9.2f} {w['ratio']:6.2f}  {_rts(row['line_round_trip_ns'])}{mark}")
         so, sn = (stat(acc[(b, "single")]) for b in ("old", "new"))
         results["single"] = {"old_us": so, "new_us": sn, "ratio": sn / so, "busy": busy}
         print(f"one rank, 8 KB torch call: old {so:.2f} us, new {sn:.2f} us, ratio {sn / so:.2f}{mark}", flush=True)
@@ -513,6 +548,9 @@ def coordinator(args: argparse.Namespace) -> int:
             which = ""  # which barrier the jobs used (every job of a rank count decides alike)
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
+                    rt = line_round_trip(spinners)
+                    if rt is not None:
+                        probes.setdefault((ranks, s), []).append(rt)
                     for b in (peers if r % 2 == 0 else peers[::-1]):
                         res = job_of[b].ask(what="measure", backend="mpi" if b in PEERS else b, bytes=s,
                                             timing="cold", iters=iters_for(s, ranks) // rounds + 5)
@@ -527,7 +565,7 @@ def coordinator(args: argparse.Namespace) -> int:
                     print(f"# budget: {ranks} ranks stopped after round {r + 1}", flush=True)
                     break
             print(f"\n## (b) peers, cold, {ranks} ranks, us{' (busy)' if busy else ''}")
-            print(f"{'size':>6} " + " ".join(f"{b:>10}" for b in peers) + "  nvrar/best-peer")
+            print(f"{'size':>6} " + " ".join(f"{b:>10}" for b in peers) + "  nvrar/best-peer  line round trip ns")
             for s in sizes(8 * KB, 16 * MB):
                 row = {"ranks": ranks, "bytes": s, "busy": busy}
                 for b in peers:
@@ -541,8 +579,10 @@ def coordinator(args: argparse.Namespace) -> int:
                     row["ratio_ds"] = row["nvrar"] / row["deepspeed"]
                 row["libraries"] = {b: libraries[b] for b in peers if b in libraries}
                 row["ways"] = {b: ways[(b, s)] for b in peers if (b, s) in ways and sum(ways[(b, s)]) > 0}
+                row["line_round_trip_ns"] = probes.get((ranks, s))
                 results["peers"].append(row)
-                print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers) + f"  {row['ratio_best']:.2f}{mark}")
+                print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers)
+                      + f"  {row['ratio_best']:15.2f}  {_rts(row['line_round_trip_ns'])}{mark}")
             way_text = "; ".join(f"{fmt(r['bytes'])} " + ", ".join(f"{b} {w[0]}/{w[1]}" for b, w in r["ways"].items())
                                  for r in results["peers"] if r["ranks"] == ranks and r["ways"])
             if way_text:

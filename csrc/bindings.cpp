@@ -17,6 +17,7 @@
 
 #include "common/error.h"
 #include "cpu/executor.h"
+#include "cpu/line_probe.h"
 #include "cpu/reduce_kernels.h"
 #include "cpu/way_choice.h"
 #include "protocol/ll.h"
@@ -342,6 +343,14 @@ PYBIND11_MODULE(_C, m) {
                      out.size());
     return out;
   });
+  // A mark of the host's state for benchmark records (line_probe.h): ns per cache-line round trip
+  // between two CPUs, one figure per rep (each the mean of `trips` round trips).
+  m.def("line_round_trip_ns",
+        [](int cpu_a, int cpu_b, int trips, int reps, double deadline_s) {
+          py::gil_scoped_release unlocked;
+          return line_round_trip_ns(cpu_a, cpu_b, trips, reps, deadline_s);
+        },
+        py::arg("cpu_a"), py::arg("cpu_b"), py::arg("trips") = 2000, py::arg("reps") = 5, py::arg("deadline_s") = 5.0);
   m.def("segment_layout",
         [](int G, int N, size_t max_bytes, size_t min_zone_bytes, size_t pool_bytes, size_t cell_stride, int B,
            size_t ll_max_bytes) {

@@ -268,3 +268,27 @@ def test_spin_barrier_holds_every_rank_until_the_last_and_has_a_deadline(tmp_pat
     alone = SpinBarrier(str(tmp_path / "alone"), 0, 2, timeout_s=0.3)
     with pytest.raises(RuntimeError, match="rank 0 waited 0.3 s for rank 1"):
         alone.wait()
+
+
+def test_line_round_trip_probe_measures_and_rejects_bad_cpus():
+    """nvrar._C.line_round_trip_ns, the host-state mark of latency_check's records: one positive
+    figure per rep between two CPUs of this process (a cache-line round trip is above 10 ns and,
+    on any host these tests run on, below 100 us); the same CPU twice, or a CPU outside this
+    process's set, is an error, and the calling thread's CPU set is left as it was."""
+    from nvrar import _C
+    from nvrar.errors import NvrarError
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("the probe needs two CPUs; this process may use one")
+    got = _C.line_round_trip_ns(cpus[0], cpus[1], trips=500, reps=3)
+    assert len(got) == 3 and all(10 < x < 100_000 for x in got), got
+    assert sorted(os.sched_getaffinity(0)) == cpus
+    with pytest.raises(NvrarError, match="two different CPUs"):
+        _C.line_round_trip_ns(cpus[0], cpus[0])
+    outside = max(os.cpu_count() or 1, max(cpus) + 1)
+    if outside < 1024:
+        with pytest.raises(NvrarError, match="could not pin"):
+            _C.line_round_trip_ns(cpus[0], outside)
+    with pytest.raises(NvrarError, match="trips, reps and a deadline"):
+        _C.line_round_trip_ns(cpus[0], cpus[1], trips=0)
