@@ -414,21 +414,21 @@ def floor_us(nbytes: int, copy_gbps: float, algorithm: str) -> Dict[str, Any]:
     return {"floor_us": us, "touched_bytes": touched, "how": how}
 
 
-def line_round_trip(spinners: Spinners) -> Optional[float]:
-    """The host's state at this moment: the median ns of a cache-line round trip between the
-    first two CPUs this process may use (nvrar._C.line_round_trip_ns, 5 x 2,000 round trips, a few
-    ms), or None with fewer than two CPUs. Taken before every size of every round, while every job
-    sleeps: small-message times follow it (2-core AMD EPYC KVM guest: 130-400 ns at some times,
-    600-800 at others). --busy's spinners are stopped meanwhile: the probe marks the host, not the
-    load."""
+def probe_line_round_trip(spinners: Spinners, probes: Dict[Any, List[float]], key: Any) -> None:
+    """The host's state at this moment, appended to probes[key]: the median ns of a cache-line
+    round trip between the first two CPUs this process may use (nvrar._C.line_round_trip_ns,
+    5 x 2,000 round trips, a few ms); nothing with fewer than two CPUs. Taken before every size of
+    every round, while every job sleeps: small-message times follow it (2-core AMD EPYC KVM guest:
+    55-150 ns at some times, 470-610 at others). --busy's spinners are stopped meanwhile: the
+    probe marks the host, not the load."""
     from nvrar import _C
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        return None
+        return
     spinners.pause(True)
     try:
-        return float(np.median(_C.line_round_trip_ns(cpus[0], cpus[1])))
+        probes.setdefault(key, []).append(float(np.median(_C.line_round_trip_ns(cpus[0], cpus[1]))))
     finally:
         spinners.pause(False)
 
@@ -494,9 +494,7 @@ def coordinator(args: argparse.Namespace) -> int:
         probes: Dict[Any, List[float]] = {}
         for r in range(rounds):
             for s in sizes_a:
-                rt = line_round_trip(spinners)
-                if rt is not None:
-                    probes.setdefault(("a", s), []).append(rt)
+                probe_line_round_trip(spinners, probes, ("a", s))
                 for timing in ("cold", "warm"):
                     got = {}
                     for build in (("old", "new") if r % 2 == 0 else ("new", "old")):
@@ -548,9 +546,7 @@ def coordinator(args: argparse.Namespace) -> int:
             which = ""  # which barrier the jobs used (every job of a rank count decides alike)
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
-                    rt = line_round_trip(spinners)
-                    if rt is not None:
-                        probes.setdefault((ranks, s), []).append(rt)
+                    probe_line_round_trip(spinners, probes, (ranks, s))
                     for b in (peers if r % 2 == 0 else peers[::-1]):
                         res = job_of[b].ask(what="measure", backend="mpi" if b in PEERS else b, bytes=s,
                                             timing="cold", iters=iters_for(s, ranks) // rounds + 5)

@@ -2,14 +2,13 @@
 // records (nvrar._C.line_round_trip_ns; benchmarks/latency_check.py prints it beside every size).
 // Small-message all-reduces on one host are chains of such transfers (a flag written on one core
 // and polled on another, data lines fetched from the core that wrote them), so their times follow
-// it. On a 2-core AMD EPYC KVM guest (2026-12-04) it took 130-400 ns at some times and 600-800 ns
-// at others, minutes apart, as the hypervisor placed the two vCPUs.
+// it. On a 2-core AMD EPYC KVM guest (2026-12-04, latency_check's records) it took 55-150 ns at
+// some times and 470-610 ns at others, each state lasting minutes.
 #pragma once
 
 #include <pthread.h>
 #include <sched.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -23,8 +22,9 @@ namespace nvrar {
 
 // ns per round trip, one figure per rep, each the mean of `trips` round trips: a thread on cpu_a
 // stores a counter into one line, a thread on cpu_b waits for it and stores it back into a second
-// line, and the first waits for that (the calling thread only waits for both). Both threads are pinned; a CPU that cannot be taken is an error, and so is a
-// probe that does not finish within `deadline_s` (a thread not scheduled: the spins never yield).
+// line, and the first waits for that (the calling thread only waits for both). Both threads are
+// pinned; a CPU that cannot be taken is an error, and so is a probe that does not finish within
+// `deadline_s` (a thread not scheduled: the spins never yield).
 inline std::vector<double> line_round_trip_ns(int cpu_a, int cpu_b, int trips, int reps, double deadline_s) {
   NVRAR_CHECK(cpu_a >= 0 && cpu_b >= 0 && cpu_a != cpu_b && cpu_a < CPU_SETSIZE && cpu_b < CPU_SETSIZE,
               "nvrar: line_round_trip_ns needs two different CPUs, got " + std::to_string(cpu_a) + " and " +

@@ -38,9 +38,9 @@ struct WayChoice {
     // EPYC KVM guest, 2026-12-03: a staged 1 MB call took 850-1150 us the first two times,
     // 160-190 us right after cross-memory calls, 100-120 us from the third in a row). So the
     // other way is tried kWayTrial calls in a row, and only calls from the (kWaySettle + 1)-th in
-    // a row count. The first counted call of a streak replaces its way's average (or counts as
-    // twice it, if slower than that: a time slice lost to another process)
-    // instead of moving it: that average is as old as the last trial, and the host may have
+    // a row count. The first counted call of a streak replaces its way's average (at most twice
+    // it: a slower one lost a time slice to another process) instead of moving it: that
+    // average is as old as the last trial, and the host may have
     // changed since (same host, 2026-12-04, 2 ranks, cold, medians of 320 calls: the staged way
     // took 7.3 us a 64 KB call in one minute and 20.5 in another, cross-memory 11.6 and 14.1);
     // moved a quarter of the way per timed call, a stale 20.5 took three trials to fall under 11.6.
