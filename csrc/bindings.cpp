@@ -13,12 +13,14 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <cstring>
 #include <vector>
 
 #include "common/error.h"
 #include "cpu/executor.h"
 #include "cpu/line_probe.h"
 #include "cpu/reduce_kernels.h"
+#include "cpu/stream_copy.h"
 #include "cpu/way_choice.h"
 #include "protocol/ll.h"
 #include "protocol/plan.h"
@@ -174,7 +176,10 @@ PYBIND11_MODULE(_C, m) {
                        size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
                        size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes, py::bytes secret,
                        size_t hd_min_bytes, const std::string& test_kill_at, bool cma_adapt,
-                       bool cpu_spread) {
+                       bool cpu_spread, int stream_staging) {
+             if (stream_staging < -1 || stream_staging > 1)
+               throw py::value_error("CpuExecutor: stream_staging must be -1 (chosen by call times), 0 or 1, got " +
+                                     std::to_string(stream_staging));
              CpuConfig c;
              c.rank = rank;
              c.world = world;
@@ -194,13 +199,14 @@ PYBIND11_MODULE(_C, m) {
              c.test_kill_at = test_kill_at;
              c.cma_adapt = cma_adapt;
              c.cpu_spread = cpu_spread;
+             c.stream_staging = stream_staging;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us"),
            py::arg("jitter_seed"), py::arg("cma"), py::arg("cma_min_bytes"), py::arg("cma_piece_bytes"),
            py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"), py::arg("hd_min_bytes"), py::arg("test_kill_at"),
-           py::arg("cma_adapt"), py::arg("cpu_spread"))
+           py::arg("cma_adapt"), py::arg("cpu_spread"), py::arg("stream_staging"))
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def(
@@ -266,6 +272,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("epoch", &CpuExecutor::epoch)
       .def_property_readonly("cpu_moves", &CpuExecutor::cpu_moves)
       .def_property_readonly("way_calls", &CpuExecutor::way_calls)
+      .def_property_readonly("stage_calls", &CpuExecutor::stage_calls)
+      .def_property_readonly("streamed_bytes", &CpuExecutor::streamed_bytes)
       .def_property_readonly("failed", &CpuExecutor::failed)
       .def_property_readonly("failure", &CpuExecutor::failure)
       .def_property_readonly("max_bytes", [](const CpuExecutor& ex) { return ex.config().max_bytes; })
@@ -351,6 +359,19 @@ PYBIND11_MODULE(_C, m) {
           return line_round_trip_ns(cpu_a, cpu_b, trips, reps, deadline_s);
         },
         py::arg("cpu_a"), py::arg("cpu_b"), py::arg("trips") = 2000, py::arg("reps") = 5, py::arg("deadline_s") = 5.0);
+  // stream_copy (stream_copy.h) of `src` to byte `offset` of a fresh 64-byte-aligned buffer
+  // pre-filled with 0xA5: the buffer's first offset + len(src) + 64 bytes, for a test of every
+  // alignment and length (the bytes around the copy must stay 0xA5).
+  m.attr("STREAM_STORES") = kHaveStreamStores;
+  m.def("stream_copy_into", [](py::bytes src, size_t offset) {
+    const std::string in = src;
+    const size_t total = offset + in.size() + 64;
+    std::vector<char> raw(total + 64);
+    char* buf = raw.data() + ((64 - (reinterpret_cast<uintptr_t>(raw.data()) & 63)) & 63);
+    std::memset(buf, 0xA5, total);
+    stream_copy(buf + offset, in.data(), in.size());
+    return py::bytes(buf, total);
+  }, py::arg("src"), py::arg("offset"));
   m.def("segment_layout",
         [](int G, int N, size_t max_bytes, size_t min_zone_bytes, size_t pool_bytes, size_t cell_stride, int B,
            size_t ll_max_bytes) {

@@ -21,7 +21,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import NvrarError
-from .settings import AGREED, SECRET_BYTES, Settings
+from .settings import AGREED, SECRET_BYTES, STREAM_STAGING_CODES, Settings
 
 __all__ = ["exchange", "agree", "setup_cpu", "setup_gpu", "cuda_device", "find_ucx", "preload_ucx",
            "route_device", "sweep_dead_segments", "KILL_POINTS", "NATIVE_KILL_POINTS", "kill_point", "die_at"]
@@ -239,7 +239,8 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
                     jitter_seed=st.jitter_seed, cma=st.cma, cma_min_bytes=st.cma_min_bytes,
                     cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
                     hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "",
-                    cma_adapt=cma_adapt and not multi, cpu_spread=st.cpu_spread)
+                    cma_adapt=cma_adapt and not multi, cpu_spread=st.cpu_spread,
+                    stream_staging=STREAM_STAGING_CODES[st.stream_staging])
                 created["segment"] = ex.segment_name
                 if multi:
                     dev = route_device(os.environ.get("MASTER_ADDR"))

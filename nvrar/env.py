@@ -138,6 +138,15 @@ VARIABLES: Dict[str, EnvVar] = {
             "apart], csrc/cpu/executor.cpp). 0 never touches the calling thread's affinity.",
         ),
         EnvVar(
+            "NVRAR_STREAM_STAGING",
+            _defaults.STREAM_STAGING,
+            "CPU executor: how a one-shot call stages its input in the shared segment for its local peers. "
+            "auto: each node's leader times plain and streaming (non-temporal) stores and its ranks take the "
+            "faster (NOTE [streaming stage-in], csrc/cpu/executor.cpp; plain stores win where the two CPUs "
+            "share a line quickly, streaming ones where a line crosses slowly); 1 always streaming; 0 always "
+            "plain. The result is the same bits either way.",
+        ),
+        EnvVar(
             "NVRAR_CMA_MIN_BYTES",
             _defaults.size_text(_defaults.CMA_MIN_BYTES),
             "CPU executor: smallest shard moved by cross-memory reads and writes. Unset, above the "
@@ -277,6 +286,10 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
     cma_min = get_bytes("NVRAR_CMA_MIN_BYTES") if cpu else None
     cma = get_int("NVRAR_CMA") if cpu else None
     spread = get_int("NVRAR_CPU_SPREAD") if cpu else None
+    stream = get_str("NVRAR_STREAM_STAGING") if cpu else None
+    if stream is not None and stream not in _defaults.STREAM_STAGING_CODES:
+        raise ValueError(f"NVRAR_STREAM_STAGING must be one of {', '.join(_defaults.STREAM_STAGING_CODES)}, "
+                         f"got {stream!r}")
     channels = get_int("NVRAR_GPU_CHANNELS") if not cpu else None
     if channels is not None and not 1 <= channels <= _defaults.GPU_MAX_CHANNELS:
         raise ValueError(f"NVRAR_GPU_CHANNELS must be 1 to {_defaults.GPU_MAX_CHANNELS}, got {channels}")
@@ -300,4 +313,5 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
         block_bytes=_defaults.GPU_LAUNCH["block_bytes"],
         channels=_defaults.GPU_LAUNCH["channels"] if channels is None else channels,
         cpu_spread=_defaults.CPU_SPREAD if spread is None else spread != 0,
+        stream_staging=_defaults.STREAM_STAGING if stream is None else stream,
     )

@@ -21,7 +21,7 @@ __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "A
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
            "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
            "GPU_ONESHOT_MAX_NODES", "GPU_ONESHOT_MAX_MANY_NODES_LARGE_G",
-           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "GPU_MAX_CHANNELS", "CMA_MIN_BYTES", "CMA_MIN_BYTES_OVERSUBSCRIBED", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "AGREED"]
+           "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "GPU_MAX_CHANNELS", "CMA_MIN_BYTES", "CMA_MIN_BYTES_OVERSUBSCRIBED", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "STREAM_STAGING", "STREAM_STAGING_CODES", "AGREED"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -59,20 +59,21 @@ SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor
 # One-shot vs two-shot crossover of the CPU executor, in bytes, by ranks per node. One-shot reads
 # G whole messages per rank but needs one synchronization less; two-shot moves about 2 messages
 # per rank whatever G is (and pushes results straight into the peers' outputs). G = 2: one-shot
-# up to 32 KB, two-shot from 64 KB on. On an AMD EPYC host (family 25, 2 cores, AVX2, KVM guest;
-# 2026-12-03) one-shot beat two-shot at 32 KB in each of five same-run comparisons (2 ranks,
-# torch float32 tensors, cold, four alternated rounds of 100 calls, medians in us, one-shot /
-# two-shot: 9.50/10.66, 13.55/14.42, 6.92/7.37, 14.70/15.26, and 12.66/13.84 beside a spinning
-# process). At 64 KB it was ahead by 1-6% in the same runs (13.84/14.30, 17.94/18.55,
-# 10.06/10.51, 19.65/19.91, 17.34/18.38), but in a later latency_check (benchmarks/, 20:35 UTC)
-# with one-shot up to 64 KB, the 64 KB calls took 1.13-1.16x the time of 9a7423a's two-shot in
-# each of three rounds, while the host ran slow (that build's own 64 KB: 16.55 us against 7.5-8.8
-# in the other runs): so 64 KB stays two-shot. An earlier comparison on the same host
-# (nvrar-bench, ordinary buffers) had one-shot ahead up to 16 KB and level at 32 KB. Every rank
-# must pick the same algorithm, so the threshold cannot follow one rank's buffers. G = 1 has no
-# intra-node phase, so both variants move the same bytes. Larger G: not measured here (more ranks
-# than cores); 16 KB is a guess between the two costs. `nvrar tune` measures another machine.
-CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 32 << 10}
+# up to 128 KB, two-shot from 256 KB on. Since its stage-in may stream (NOTE [streaming stage-in],
+# csrc/cpu/executor.cpp), one-shot is the faster up to 128 KB in both of the states of the AMD EPYC
+# host (family 25, 2 cores, AVX2, KVM guest; 2026-12-04 13:45-13:49 UTC, `mpirun -n 2 --oversubscribe
+# python benchmarks/stage_in.py algorithms [--busy] --sizes 32K,64K,128K,256K`, five interleaved
+# rounds of 150 cold calls, medians in us, one-shot / two-shot): with a cache line crossing between
+# the CPUs in about 140 ns, 32K 4.02/4.87, 64K 6.35/7.58, 128K 10.28/11.27, 256K 20.48/18.42, and
+# beside a spinning process 6.85/7.28, 9.99/10.61, 14.54/15.17, 25.85/23.50 (another busy run:
+# 7.09/7.56, 10.40/10.29, 15.14/16.32, 27.00/23.38); with it crossing in about 560 ns, 9.14/17.52,
+# 13.20/20.47, 25.34/34.75, 44.51/55.45. So 256 KB, where the fast state has two-shot 10-14% ahead,
+# stays two-shot. (Before streaming stage-ins the threshold was 32 KB: plain one-shot lost to
+# two-shot at 64 KB in the slow state, 1.13-1.16x.) Every rank must pick the same algorithm, so the
+# threshold cannot follow one rank's buffers. G = 1 has no intra-node phase, so both variants move
+# the same bytes. Larger G: not measured here (more ranks than cores); 16 KB is a guess between the
+# two costs. `nvrar tune` measures another machine.
+CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 128 << 10}
 CPU_ONESHOT_MAX_DEFAULT = 16 << 10
 
 # GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
@@ -174,6 +175,11 @@ CMA = True
 # NOTE [moving apart] (csrc/cpu/executor.cpp): a rank that keeps finding its local peer on its own
 # CPU moves itself to a free CPU of its affinity mask (and restores the mask). 0: never.
 CPU_SPREAD = True
+# NOTE [streaming stage-in] (csrc/cpu/executor.cpp): how a one-shot call stages its input: "auto"
+# (each node's leader times plain and streaming stores and its ranks take the faster), "0" plain
+# stores, "1" streaming stores. NVRAR_STREAM_STAGING.
+STREAM_STAGING = "auto"
+STREAM_STAGING_CODES: Dict[str, int] = {"auto": -1, "0": 0, "1": 1}
 
 # Settings that decide which bytes each round carries (chunking, algorithm, transport): every
 # rank must use the same values, checked once at construction (field -> name in the error).
@@ -236,6 +242,7 @@ class Settings:
     block_bytes: int
     channels: int = GPU_LAUNCH["channels"]  # NVRAR_GPU_CHANNELS; GPU only (the CPU sends per slice)
     cpu_spread: bool = CPU_SPREAD  # NVRAR_CPU_SPREAD; CPU only
+    stream_staging: str = STREAM_STAGING  # NVRAR_STREAM_STAGING; CPU only
 
     def agreed(self) -> Dict[str, object]:
         """The values that must be equal on every rank (exchanged as JSON at construction)."""

@@ -441,6 +441,36 @@ def task_ways(args: dict) -> dict:
             "cma_enabled": bool(ex.cma_enabled) if hasattr(ex, "cma_enabled") else None}
 
 
+def task_stage_ways(args: dict) -> dict:
+    """NOTE [streaming stage-in] (csrc/cpu/executor.cpp): one-shot calls on ordinary arrays (an
+    odd count, and an input that starts 4 bytes into its buffer), each checked bit for bit; per
+    call, the store kind this rank's stage-in took (from the counts of stage_calls), and the bytes
+    it staged with streaming stores."""
+    comm = nvrar.Communicator(timeout=60)
+    ex = comm._ex
+    W, r = comm.world_size, comm.rank
+    n = args["count"]
+    kinds, exact = [], True
+    streamed0 = ex.streamed_bytes
+    for i in range(args["calls"]):
+        xs = [np.random.default_rng(1000 * i + k).standard_normal(n).astype(np.float32) for k in range(W)]
+        want = xs[0].copy()
+        for k in range(1, W):
+            want += xs[k]  # the canonical order: local ranks 0, 1, ...
+        buf = np.zeros(n + 1, np.float32)
+        a = buf[1:]  # 4 bytes past a 64-byte boundary
+        a[:] = xs[r]
+        before = list(ex.stage_calls)
+        comm.all_reduce(a, algorithm="one-shot")
+        after = list(ex.stage_calls)
+        exact = exact and a.tobytes() == want.tobytes()
+        kinds.append("plain" if after[0] > before[0] else "stream" if after[1] > before[1] else "fixed")
+    out = {"kinds": kinds, "exact": exact, "stage_calls": list(ex.stage_calls),
+           "streamed_bytes": ex.streamed_bytes - streamed0, "bytes": 4 * n}
+    comm.close()
+    return out
+
+
 def task_one_core(args: dict) -> dict:
     """NOTE [sharing a core] (csrc/cpu/executor.cpp): the communicator is made while the ranks may
     run on every core (so it spins before it yields), then every rank moves itself to one core.
@@ -499,7 +529,7 @@ def task_move_apart(args: dict) -> dict:
     return out
 
 
-TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "move_apart": task_move_apart, "crowded": task_crowded, "ways": task_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "move_apart": task_move_apart, "crowded": task_crowded, "ways": task_ways, "stage_ways": task_stage_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
          "closed_peer": task_closed_peer, "stop": task_stop}
 

@@ -349,3 +349,47 @@ def test_private_shards_go_both_ways_and_results_stay_exact():
         assert rep["exact"], rep
         assert set(rep["ways"]) == {"cma"}, rep["ways"]
         assert rep["way_calls"] == [0, 0], rep  # no choice made
+
+
+def test_one_shot_stage_in_goes_both_ways_and_results_stay_exact():
+    """NOTE [streaming stage-in] (csrc/cpu/executor.cpp): the node's leader times one-shot calls
+    with plain and with streaming stores into the staging slot, keeps trying the one it does not
+    take, and every rank takes the kind it chose, call for call; every result is bitwise the
+    canonical sum, whichever kind staged it. NVRAR_STREAM_STAGING=1 / 0 fix the kind (no choice
+    made): every byte staged with streaming stores, or none."""
+    import nvrar._C as C
+
+    from _launch import assert_all_ok, launch
+
+    args = {"count": 5003, "calls": 120}  # 20,012 bytes: one-shot on 2 ranks, a tail of 12 bytes
+    reps = assert_all_ok(launch(2, "stage_ways", args))
+    for rep in reps:
+        assert rep["exact"], rep
+        if not C.STREAM_STORES:  # another architecture: plain stores only, no choice
+            assert rep["kinds"] == ["fixed"] * args["calls"] and rep["streamed_bytes"] == 0, rep
+            continue
+        assert {"plain", "stream"} <= set(rep["kinds"]), rep["kinds"]
+        assert rep["stage_calls"] == [rep["kinds"].count("plain"), rep["kinds"].count("stream")], rep
+        assert rep["streamed_bytes"] == rep["bytes"] * rep["kinds"].count("stream"), rep
+    assert reps[0]["kinds"] == reps[1]["kinds"], [rep["kinds"] for rep in reps]  # the leader's choice
+    for fixed, streamed in (("1", C.STREAM_STORES), ("0", False)):
+        for rep in assert_all_ok(launch(2, "stage_ways", {**args, "calls": 20}, env={"NVRAR_STREAM_STAGING": fixed})):
+            assert rep["exact"], rep
+            assert rep["kinds"] == ["fixed"] * 20 and rep["stage_calls"] == [0, 0], rep
+            assert rep["streamed_bytes"] == (rep["bytes"] * 20 if streamed else 0), (fixed, rep)
+
+
+def test_stream_copy_writes_exactly_its_bytes():
+    """csrc/cpu/stream_copy.h: memcpy's bytes at every alignment of the destination and every
+    length around the 16- and 64-byte steps, nothing before or after them."""
+    import nvrar._C as C
+
+    rng = np.random.default_rng(7)
+    for offset in range(0, 80, 3):
+        for length in list(range(0, 150)) + [255, 256, 257, 1000, 4096 + 13]:
+            src = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+            got = C.stream_copy_into(src, offset)
+            assert len(got) == offset + length + 64
+            assert got[:offset] == b"\xa5" * offset, (offset, length)
+            assert got[offset:offset + length] == src, (offset, length)
+            assert got[offset + length:] == b"\xa5" * 64, (offset, length)

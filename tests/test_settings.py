@@ -145,6 +145,23 @@ def test_cpu_spread_setting(monkeypatch):
         env.resolve("cpu")
 
 
+def test_stream_staging_setting(monkeypatch):
+    # NOTE [streaming stage-in] (csrc/cpu/executor.cpp): auto by default, 0 / 1 fix the kind;
+    # read for the CPU executor only; anything else raises, naming the variable.
+    v = env.VARIABLES
+    assert v["NVRAR_STREAM_STAGING"].default == settings.STREAM_STAGING == "auto"
+    monkeypatch.delenv("NVRAR_STREAM_STAGING", raising=False)
+    assert env.resolve("cpu").stream_staging == "auto"
+    for value in ("0", "1", "auto"):
+        monkeypatch.setenv("NVRAR_STREAM_STAGING", value)
+        assert env.resolve("cpu").stream_staging == value
+        assert settings.STREAM_STAGING_CODES[value] in (-1, 0, 1)
+    monkeypatch.setenv("NVRAR_STREAM_STAGING", "yes")
+    assert env.resolve("cuda").stream_staging == "auto"  # not read there
+    with pytest.raises(ValueError, match="NVRAR_STREAM_STAGING"):
+        env.resolve("cpu")
+
+
 def test_gpu_channels_default_override_and_agreement(monkeypatch):
     # GPU_LAUNCH["channels"] is the default; NVRAR_GPU_CHANNELS overrides it (GPU only), 1 to 4, and
     # is one of the values every rank must agree on.

@@ -1,5 +1,6 @@
 #include "executor.h"
 #include "segment.h"
+#include "stream_copy.h"
 #include "transport.h"
 #include "ucx.h"
 
@@ -389,29 +390,59 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   const size_t shard = std::min(c.chunk_elems, count) * c.es / G;
   const bool adapt = cfg_.cma_adapt && cma_enabled() && c.algorithm == Algorithm::kTwoShot && G > 1 &&
                      shard >= cfg_.cma_min_bytes && !(c.in_pool && c.out_pool);
+  //
+  // NOTE [streaming stage-in]
+  // A one-shot call stages its whole input in a parity slot of my segment that only my peers
+  // read; they read it two calls ago, so with plain stores each line of it is first fetched back
+  // from a peer's cache (read for ownership) before it is written, and then read across the cores
+  // once more. Streaming (non-temporal) stores write whole lines to memory without that fetch,
+  // and the peer reads them from memory (csrc/cpu/stream_copy.h). Which costs less depends on
+  // the host's state: on the 2-core AMD EPYC KVM guest (2026-12-04, two pinned threads doing a
+  // one-shot 2-rank sum, medians in us at 8/16/32/64 KB) plain stores took 0.8/1.5/2.6/4.7 and
+  // streaming 1.9/3.0/5.2/10.1 while a cache line went back and forth between the two CPUs in
+  // about 130 ns, but plain 2.4-4.3/4.2-7.0/8.1-13.8/16-26 and streaming 1.5-2.5/2.3-4.0/3.6-6.0/
+  // 6.6-11.5 while it took 500-650 ns; the state changes on a scale of minutes. So, as for the
+  // ways above, the node's leader times its one-shot calls both ways (per message size class)
+  // and publishes the faster in its segment header (stage_plan, way_word), every rank following
+  // it from two calls on. The bytes staged are the same either way, and so is the result.
+  // NVRAR_STREAM_STAGING=0/1 fixes the choice (cfg_.stream_staging).
+  const bool stage_choice = c.algorithm == Algorithm::kOneShot && G > 1 && kHaveStreamStores;
   WayChoice* ws = nullptr;
   uint64_t* plan = nullptr;
   int way = 1;
   std::chrono::steady_clock::time_point t0;
-  if (adapt) {
+  if (adapt || (stage_choice && cfg_.stream_staging < 0)) {
+    const size_t sized = adapt ? shard : c.bytes;
     int cls = 0;
-    while (cls < 63 && (size_t{2} << cls) <= shard) ++cls;
+    while (cls < 63 && (size_t{2} << cls) <= sized) ++cls;
     const int leader = where_.rank_of(where_.node, 0);
     auto* lh = reinterpret_cast<SegmentHeader*>(heap_.base(leader));
-    way = way_of(__atomic_load_n(&lh->way_plan[cls], __ATOMIC_RELAXED), call_no);
-    round_cfg_.cma = way == 1;
-    way_calls_[way].fetch_add(1, std::memory_order_relaxed);
+    uint64_t* plans = adapt ? lh->way_plan : lh->stage_plan;
+    way = way_of(__atomic_load_n(&plans[cls], __ATOMIC_RELAXED), call_no);
+    if (adapt) {
+      round_cfg_.cma = way == 1;
+      way_calls_[way].fetch_add(1, std::memory_order_relaxed);
+    } else {
+      stream_ = way == 1;
+      stage_calls_[way].fetch_add(1, std::memory_order_relaxed);
+    }
     if (leader == where_.rank) {
-      ws = &ways_[cls];
-      plan = &lh->way_plan[cls];
+      ws = adapt ? &ways_[cls] : &stage_ways_[cls];
+      plan = &plans[cls];
       t0 = std::chrono::steady_clock::now();
     }
+  } else if (stage_choice) {
+    stream_ = cfg_.stream_staging == 1;
   }
   struct RestoreCma {
     RoundConfig* rc;
     bool on;
-    ~RestoreCma() { rc->cma = on; }
-  } restore{&round_cfg_, cma_enabled()};
+    bool* stream;
+    ~RestoreCma() {
+      rc->cma = on;
+      *stream = false;
+    }
+  } restore{&round_cfg_, cma_enabled(), &stream_};
   for (size_t off = 0; off < count; off += c.chunk_elems) {
     const size_t n = std::min(c.chunk_elems, count - off);
     round(pin + off * c.es, pout + off * c.es, n, c.es, c.in_pool, c.out_pool, c.algorithm, c.sig, fn, c.sc);

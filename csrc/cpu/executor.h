@@ -42,6 +42,8 @@ struct CpuConfig {
   bool cma = false;              // allow cross-memory reads/writes of peers' private buffers
   size_t cma_min_bytes = 0;      // smallest shard (bytes) moved by cross-memory reads/writes
   bool cma_adapt = false;        // above cma_min_bytes, choose cross-memory or staging by measured call times
+  int stream_staging = -1;       // NOTE [streaming stage-in]: 1 one-shot stage-ins always stream, 0 never,
+                                 // -1 the node leader chooses by measured call times
   bool cpu_spread = true;        // NOTE [moving apart]: a rank that shares its CPU with its peer may move
   size_t cma_piece_bytes = 0;    // cross-memory transfers go piece by piece, this large (bytes)
   size_t ll_max_bytes = 0;       // inter-node shards up to this size go as LL packets (bytes)
@@ -146,6 +148,13 @@ class CpuExecutor {
   std::pair<uint64_t, uint64_t> way_calls() const {
     return {way_calls_[0].load(std::memory_order_relaxed), way_calls_[1].load(std::memory_order_relaxed)};
   }
+  // One-shot calls whose stage-in went with plain ([0]) or streaming ([1]) stores under NOTE
+  // [streaming stage-in]'s choice, since construction (calls it did not decide are not counted).
+  std::pair<uint64_t, uint64_t> stage_calls() const {
+    return {stage_calls_[0].load(std::memory_order_relaxed), stage_calls_[1].load(std::memory_order_relaxed)};
+  }
+  // Bytes staged with streaming stores since construction.
+  uint64_t streamed_bytes() const { return streamed_bytes_.load(std::memory_order_relaxed); }
   const CpuConfig& config() const { return cfg_; }
   const SegmentLayout& segment_layout() const { return layout_; }
   bool failed() const { return !failure_.empty(); }
@@ -246,6 +255,9 @@ class CpuExecutor {
   std::chrono::steady_clock::time_point last_spread_{};
   std::atomic<uint64_t> spreads_{0};        // moves made (stats; read by other threads)
   std::atomic<uint64_t> way_calls_[2] = {};  // calls per way (stats; read by other threads)
+  std::atomic<uint64_t> stage_calls_[2] = {};  // one-shot calls per store kind (stats; read by other threads)
+  std::atomic<uint64_t> streamed_bytes_{0};  // bytes staged with streaming stores (stats)
+  bool stream_ = false;                     // this call's stage-in uses streaming stores (NOTE [streaming stage-in])
   std::vector<const char*> srcs_;           // reduce sources, one per local rank (no per-call allocation)
   std::vector<char*> dsts_;                 // reduce destinations (my output, pushed peers' outputs, my slot)
   std::vector<char*> piece_dsts_;           // the same, advanced to the current piece
@@ -261,6 +273,8 @@ class CpuExecutor {
   // NOTE [cross-memory or staged] (executor.cpp): the choice per size class (log2 of the shard;
   // way_choice.h), a node leader's.
   WayChoice ways_[64];
+  // NOTE [streaming stage-in] (executor.cpp): the choice per size class (log2 of the message).
+  WayChoice stage_ways_[64];
   uint64_t calls_ = 0;  // all_reduce calls made (with data, world > 1): the same count on every rank
   bool cma_on_ = false;                     // cross-memory access enabled (enable_cma)
   uint64_t born_fork_gen_ = 0;              // fork generation of the creating process (executor.cpp)

@@ -45,6 +45,8 @@ struct SegmentHeader {
   uint8_t secret[kSecretBytes];  // the session's secret (CpuConfig::secret): every attaching rank checks it
   uint64_t way_plan[64];  // a node leader's choice of way per shard size class, read by the node's
                           // other ranks (NOTE [cross-memory or staged], executor.cpp; way_word)
+  uint64_t stage_plan[64];  // the same for one-shot stage-ins per message size class: 1 streaming
+                            // stores, 0 plain (NOTE [streaming stage-in], executor.cpp)
   // NOTE [sharing a core] (executor.cpp): a line of their own, written rarely.
   alignas(64) uint32_t cpu;  // 1 + the CPU the owner last ran on while waiting (0: not known yet)
 };

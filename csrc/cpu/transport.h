@@ -26,6 +26,7 @@
 #include "executor.h"
 #include "host_link.h"
 #include "segment.h"
+#include "stream_copy.h"
 
 namespace nvrar {
 
@@ -177,7 +178,15 @@ struct CpuTransport {
   }
   void copy(char* dst, const char* src, size_t bytes) const {
     const PhaseTimer t(ex->phase_timing_, &ex->times_.copy_ns);
-    if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+    if (bytes == 0 || dst == src) return;
+    // NOTE [streaming stage-in] (executor.cpp): into my staging slots, which only peers read
+    const char* stage = my() + ex->layout_.staging_off;
+    if (ex->stream_ && dst >= stage && dst < stage + 2 * ex->layout_.staging_bytes) {
+      stream_copy(dst, src, bytes);
+      ex->streamed_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+    } else {
+      std::memcpy(dst, src, bytes);
+    }
   }
   bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
     const CpuExecutor::Site site{phase, 0, rank};
