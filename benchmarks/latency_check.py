@@ -151,6 +151,8 @@ class Worker:
         # nvrar's way for two-shot shards in private memory (staged, cross-memory) over the timed
         # calls, rank 0's count (Communicator._ex.way_calls; the old build has none)
         ways0 = getattr(self.comm._ex, "way_calls", None) if backend.startswith("nvrar") else None
+        # ... and the store kind of its one-shot stage-ins (plain, streaming; NOTE [streaming stage-in])
+        stages0 = getattr(self.comm._ex, "stage_calls", None) if backend.startswith("nvrar") else None
         barrier()
         for i in range(iters):
             if timing == "cold":
@@ -169,7 +171,12 @@ class Worker:
         if ways0 is not None:
             ways1 = self.comm._ex.way_calls
             ways = [int(ways1[0] - ways0[0]), int(ways1[1] - ways0[1])]
+        stages = None
+        if stages0 is not None:
+            stages1 = self.comm._ex.stage_calls
+            stages = [int(stages1[0] - stages0[0]), int(stages1[1] - stages0[1])]
         return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3, "ways": ways,
+                "stages": stages,
                 "barrier": "the check's spin barrier" if self.spin else "each job's MPI_Barrier"}
 
     def single_call(self, iters: int) -> Dict[str, Any]:
@@ -543,6 +550,7 @@ def coordinator(args: argparse.Namespace) -> int:
             acc = {}
             skews: Dict[str, List[float]] = {}
             ways: Dict[Any, List[int]] = {}
+            stages: Dict[Any, List[int]] = {}
             which = ""  # which barrier the jobs used (every job of a rank count decides alike)
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
@@ -556,6 +564,10 @@ def coordinator(args: argparse.Namespace) -> int:
                             w = ways.setdefault((b, s), [0, 0])
                             w[0] += res["ways"][0]
                             w[1] += res["ways"][1]
+                        if res.get("stages") is not None:
+                            w = stages.setdefault((b, s), [0, 0])
+                            w[0] += res["stages"][0]
+                            w[1] += res["stages"][1]
                         which = res["barrier"]
                 if time.time() - t_start > args.budget_s:
                     print(f"# budget: {ranks} ranks stopped after round {r + 1}", flush=True)
@@ -575,6 +587,7 @@ def coordinator(args: argparse.Namespace) -> int:
                     row["ratio_ds"] = row["nvrar"] / row["deepspeed"]
                 row["libraries"] = {b: libraries[b] for b in peers if b in libraries}
                 row["ways"] = {b: ways[(b, s)] for b in peers if (b, s) in ways and sum(ways[(b, s)]) > 0}
+                row["stages"] = {b: stages[(b, s)] for b in peers if (b, s) in stages and sum(stages[(b, s)]) > 0}
                 row["line_round_trip_ns"] = probes.get((ranks, s))
                 results["peers"].append(row)
                 print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers)
@@ -584,6 +597,11 @@ def coordinator(args: argparse.Namespace) -> int:
             if way_text:
                 print("# nvrar's two-shot shards staged / by cross-memory transfer, timed calls of rank 0 "
                       f"(NOTE [cross-memory or staged]): {way_text}")
+            stage_text = "; ".join(f"{fmt(r['bytes'])} " + ", ".join(f"{b} {w[0]}/{w[1]}" for b, w in r["stages"].items())
+                                   for r in results["peers"] if r["ranks"] == ranks and r["stages"])
+            if stage_text:
+                print("# nvrar's one-shot stage-ins with plain / streaming stores, timed calls of rank 0 "
+                      f"(NOTE [streaming stage-in]): {stage_text}")
             skew = {b: float(np.median(v)) for b, v in skews.items()}
             results.setdefault("barrier_skew_us", {})[str(ranks)] = skew
             print(f"# exit skew of the barrier before the timed calls ({which}; median us over each library's "
