@@ -452,7 +452,8 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     const int next = ws->after_call(way, ns / static_cast<double>(c.bytes));  // way_choice.h
     const uint64_t old = __atomic_load_n(plan, __ATOMIC_RELAXED);
-    __atomic_store_n(plan, way_word(call_no + 2, way_of(old, call_no + 1), next), __ATOMIC_RELAXED);
+    const uint64_t word = next_way_word(old, call_no, next);  // segment.h: stored only when it changes
+    if (word != old) __atomic_store_n(plan, word, __ATOMIC_RELAXED);
   }
 }
 

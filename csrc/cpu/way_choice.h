@@ -110,7 +110,7 @@ void way_choice_trace(const Times& times, int* out, size_t n) {
     const int way = way_of(word, j);
     out[j] = way;
     const int next = wc.after_call(way, times(j, way));
-    word = way_word(j + 2, way_of(word, j + 1), next);
+    word = next_way_word(word, j, next);
   }
 }
 
