@@ -397,13 +397,14 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // from a peer's cache (read for ownership) before it is written, and then read across the cores
   // once more. Streaming (non-temporal) stores write whole lines to memory without that fetch,
   // and the peer reads them from memory (csrc/cpu/stream_copy.h). Which costs less depends on
-  // the host's state: on the 2-core AMD EPYC KVM guest (2026-12-04, two pinned threads doing a
-  // one-shot 2-rank sum, medians in us at 8/16/32/64 KB) plain stores took 0.8/1.5/2.6/4.7 and
-  // streaming 1.9/3.0/5.2/10.1 while a cache line went back and forth between the two CPUs in
-  // about 130 ns, but plain 2.4-4.3/4.2-7.0/8.1-13.8/16-26 and streaming 1.5-2.5/2.3-4.0/3.6-6.0/
-  // 6.6-11.5 while it took 500-650 ns; the state changes on a scale of minutes. So, as for the
-  // ways above, the node's leader times its one-shot calls both ways (per message size class)
-  // and publishes the faster in its segment header (stage_plan, way_word), every rank following
+  // the host's state: on the 2-core AMD EPYC KVM guest (2026-12-04 14:08-14:11 UTC, `mpirun -n 2
+  // --oversubscribe python benchmarks/stage_in.py stores [--busy]`, 2 ranks, 32 KB one-shot calls,
+  // medians of six rounds in us) plain stores took 4.7-6.1, streaming 7.4-10.1 and the choice
+  // below 4.9-6.2 in three runs where a cache line crossed between the two CPUs in about 130 ns;
+  // plain 10.6-14.8, streaming 6.3-8.7 and the choice 6.3-8.7 in five where it took 460-900 ns
+  // (8-64 KB alike); the state changes on a scale of minutes. So, as for the ways above, the
+  // node's leader times its one-shot calls both ways (per message size class) and publishes the
+  // faster in its segment header (stage_plan, next_way_word), every rank following
   // it from two calls on. The bytes staged are the same either way, and so is the result.
   // NVRAR_STREAM_STAGING=0/1 fixes the choice (cfg_.stream_staging).
   const bool stage_choice = c.algorithm == Algorithm::kOneShot && G > 1 && kHaveStreamStores;
