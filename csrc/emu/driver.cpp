@@ -335,6 +335,23 @@ void expect_canary(const char* p, int r, const char* what) {
            "rank " << r << ": the canary past its " << what << " was overwritten at byte " << i);
 }
 
+// NOTE [LL zones] (protocol/round.h): an LL zone only ever holds zeros or the packets of the round
+// in flight, since every receiver zeroes the packets it unpacked. So once a call has ended on every
+// PE, every LL zone of every PE is zeros: checked after each call of an LL case, which catches a
+// receiver that does not zero whatever the proxy's timing (the epoch-wrap case's stale packet is
+// taken only where the receiver polls before the new one lands).
+void expect_ll_zones_zero(const Exec& ex) {
+  for (int r = 0; r < ex.W; ++r) {
+    const SegmentLayout& L = ex.geo[static_cast<size_t>(r)].layout;
+    const size_t words = 2 * static_cast<size_t>(L.S) * L.ll_bytes / sizeof(uint64_t);
+    const auto* z = reinterpret_cast<const uint64_t*>(ex.seg(r) + L.llzones_off);
+    for (size_t i = 0; i < words; ++i)
+      EXPECT(__atomic_load_n(&z[i], __ATOMIC_RELAXED) == 0,
+             "rank " << r << ": LL zone word " << i << " holds a packet after the call (0x" << std::hex << z[i]
+                     << std::dec << "; NOTE [LL zones])");
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cases.
 
@@ -443,6 +460,7 @@ void run_reduce_t(const ReduceSpec& s, uint64_t seed) {
     }
     run_call(ex, args);
     expect_no_errors(ex);
+    if (s.ll != 0) expect_ll_zones_zero(ex);
     for (int r = 0; r < W; ++r) {
       expect_canary(args[static_cast<size_t>(r)].out + bytes, r, "output");
       if (args[static_cast<size_t>(r)].in != args[static_cast<size_t>(r)].out) expect_canary(args[static_cast<size_t>(r)].in + bytes, r, "input");
