@@ -69,6 +69,11 @@ def _spin_barrier_module() -> Any:
     return mod
 
 
+# Per-call counters of nvrar's executor that a measurement reports as (before, after) differences:
+# JSON key -> CpuExecutor property (pairs: [0] staged / plain, [1] cross-memory / streaming).
+COUNTERS = {"ways": "way_calls", "stages": "stage_calls"}
+
+
 class Worker:
     def __init__(self, peers: bool, barrier_path: str, mpi_only: bool = False) -> None:
         from mpi4py import MPI
@@ -148,11 +153,11 @@ class Worker:
         ts = np.empty(iters)
         starts = np.empty(iters, np.int64)
         barrier, clock = self.barrier, time.perf_counter_ns
-        # nvrar's way for two-shot shards in private memory (staged, cross-memory) over the timed
-        # calls, rank 0's count (Communicator._ex.way_calls; the old build has none)
-        ways0 = getattr(self.comm._ex, "way_calls", None) if backend.startswith("nvrar") else None
-        # ... and the store kind of its one-shot stage-ins (plain, streaming; NOTE [streaming stage-in])
-        stages0 = getattr(self.comm._ex, "stage_calls", None) if backend.startswith("nvrar") else None
+        # nvrar's way for two-shot shards in private memory (staged, cross-memory) and the store kind
+        # of its one-shot stage-ins (plain, streaming; NOTE [streaming stage-in]) over the timed
+        # calls, rank 0's counts (Communicator._ex.way_calls, stage_calls; the old build has none)
+        counts0 = {key: getattr(self.comm._ex, attr, None) if backend.startswith("nvrar") else None
+                   for key, attr in COUNTERS.items()}
         barrier()
         for i in range(iters):
             if timing == "cold":
@@ -167,16 +172,11 @@ class Worker:
         first, last = np.empty_like(starts), np.empty_like(starts)
         self.world.Allreduce(starts, first, op=self.MPI.MIN)
         self.world.Allreduce(starts, last, op=self.MPI.MAX)
-        ways = None
-        if ways0 is not None:
-            ways1 = self.comm._ex.way_calls
-            ways = [int(ways1[0] - ways0[0]), int(ways1[1] - ways0[1])]
-        stages = None
-        if stages0 is not None:
-            stages1 = self.comm._ex.stage_calls
-            stages = [int(stages1[0] - stages0[0]), int(stages1[1] - stages0[1])]
-        return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3, "ways": ways,
-                "stages": stages,
+        counts: Dict[str, Optional[List[int]]] = {}
+        for key, before in counts0.items():
+            after = getattr(self.comm._ex, COUNTERS[key]) if before is not None else None
+            counts[key] = None if after is None else [int(after[0] - before[0]), int(after[1] - before[1])]
+        return {"us": [float(v) for v in tmax], "skew_us": float(np.median(last - first)) / 1e3, **counts,
                 "barrier": "the check's spin barrier" if self.spin else "each job's MPI_Barrier"}
 
     def single_call(self, iters: int) -> Dict[str, Any]:
@@ -549,8 +549,7 @@ def coordinator(args: argparse.Namespace) -> int:
             job_of = {b: job if b not in PEERS else jobs[b if ranks == 2 else f"{b}{ranks}"] for b in peers}
             acc = {}
             skews: Dict[str, List[float]] = {}
-            ways: Dict[Any, List[int]] = {}
-            stages: Dict[Any, List[int]] = {}
+            counted: Dict[str, Dict[Any, List[int]]] = {key: {} for key in COUNTERS}  # per (backend, size)
             which = ""  # which barrier the jobs used (every job of a rank count decides alike)
             for r in range(rounds):
                 for s in sizes(8 * KB, 16 * MB):
@@ -560,14 +559,11 @@ def coordinator(args: argparse.Namespace) -> int:
                                             timing="cold", iters=iters_for(s, ranks) // rounds + 5)
                         acc.setdefault((b, s), []).extend(res["us"])
                         skews.setdefault(b, []).append(res["skew_us"])
-                        if res.get("ways") is not None:
-                            w = ways.setdefault((b, s), [0, 0])
-                            w[0] += res["ways"][0]
-                            w[1] += res["ways"][1]
-                        if res.get("stages") is not None:
-                            w = stages.setdefault((b, s), [0, 0])
-                            w[0] += res["stages"][0]
-                            w[1] += res["stages"][1]
+                        for key, acc_key in counted.items():
+                            if res.get(key) is not None:
+                                w = acc_key.setdefault((b, s), [0, 0])
+                                w[0] += res[key][0]
+                                w[1] += res[key][1]
                         which = res["barrier"]
                 if time.time() - t_start > args.budget_s:
                     print(f"# budget: {ranks} ranks stopped after round {r + 1}", flush=True)
@@ -586,22 +582,20 @@ def coordinator(args: argparse.Namespace) -> int:
                 if "deepspeed" in row:
                     row["ratio_ds"] = row["nvrar"] / row["deepspeed"]
                 row["libraries"] = {b: libraries[b] for b in peers if b in libraries}
-                row["ways"] = {b: ways[(b, s)] for b in peers if (b, s) in ways and sum(ways[(b, s)]) > 0}
-                row["stages"] = {b: stages[(b, s)] for b in peers if (b, s) in stages and sum(stages[(b, s)]) > 0}
+                for key, acc_key in counted.items():
+                    row[key] = {b: acc_key[(b, s)] for b in peers if sum(acc_key.get((b, s), (0, 0))) > 0}
                 row["line_round_trip_ns"] = probes.get((ranks, s))
                 results["peers"].append(row)
                 print(f"{fmt(s):>6} " + " ".join(f"{row[b]:10.2f}" for b in peers)
                       + f"  {row['ratio_best']:15.2f}  {_rts(row['line_round_trip_ns'])}{mark}")
-            way_text = "; ".join(f"{fmt(r['bytes'])} " + ", ".join(f"{b} {w[0]}/{w[1]}" for b, w in r["ways"].items())
-                                 for r in results["peers"] if r["ranks"] == ranks and r["ways"])
-            if way_text:
-                print("# nvrar's two-shot shards staged / by cross-memory transfer, timed calls of rank 0 "
-                      f"(NOTE [cross-memory or staged]): {way_text}")
-            stage_text = "; ".join(f"{fmt(r['bytes'])} " + ", ".join(f"{b} {w[0]}/{w[1]}" for b, w in r["stages"].items())
-                                   for r in results["peers"] if r["ranks"] == ranks and r["stages"])
-            if stage_text:
-                print("# nvrar's one-shot stage-ins with plain / streaming stores, timed calls of rank 0 "
-                      f"(NOTE [streaming stage-in]): {stage_text}")
+            for key, what in (("ways", "two-shot shards staged / by cross-memory transfer, timed calls of rank 0 "
+                                       "(NOTE [cross-memory or staged])"),
+                              ("stages", "one-shot stage-ins with plain / streaming stores, timed calls of rank 0 "
+                                         "(NOTE [streaming stage-in])")):
+                text = "; ".join(f"{fmt(r['bytes'])} " + ", ".join(f"{b} {w[0]}/{w[1]}" for b, w in r[key].items())
+                                 for r in results["peers"] if r["ranks"] == ranks and r[key])
+                if text:
+                    print(f"# nvrar's {what}: {text}")
             skew = {b: float(np.median(v)) for b, v in skews.items()}
             results.setdefault("barrier_skew_us", {})[str(ranks)] = skew
             print(f"# exit skew of the barrier before the timed calls ({which}; median us over each library's "

@@ -60,10 +60,14 @@ def main() -> None:
                                                   "32K,64K,128K")).split(",")]
     comms: Dict[str, Any] = {}
     if a.what == "stores":
+        saved = os.environ.get("NVRAR_STREAM_STAGING")
         for mode in ("0", "1", "auto"):
             os.environ["NVRAR_STREAM_STAGING"] = mode
             comms[{"0": "plain", "1": "streaming", "auto": "auto"}[mode]] = nvrar.Communicator()
-        os.environ.pop("NVRAR_STREAM_STAGING")
+        if saved is None:
+            del os.environ["NVRAR_STREAM_STAGING"]
+        else:
+            os.environ["NVRAR_STREAM_STAGING"] = saved
         variants = [(name, c, "one-shot") for name, c in comms.items()]
     else:
         comms["auto"] = nvrar.Communicator()

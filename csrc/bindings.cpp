@@ -12,8 +12,8 @@
 
 #include <climits>
 #include <cstdint>
-#include <string>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "common/error.h"

@@ -435,11 +435,11 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   } else if (stage_choice) {
     stream_ = cfg_.stream_staging == 1;
   }
-  struct RestoreCma {
+  struct RestoreCallState {  // what the choices above set for this call only
     RoundConfig* rc;
     bool on;
     bool* stream;
-    ~RestoreCma() {
+    ~RestoreCallState() {
       rc->cma = on;
       *stream = false;
     }

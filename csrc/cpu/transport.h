@@ -180,13 +180,16 @@ struct CpuTransport {
     const PhaseTimer t(ex->phase_timing_, &ex->times_.copy_ns);
     if (bytes == 0 || dst == src) return;
     // NOTE [streaming stage-in] (executor.cpp): into my staging slots, which only peers read
-    const char* stage = my() + ex->layout_.staging_off;
-    if (ex->stream_ && dst >= stage && dst < stage + 2 * ex->layout_.staging_bytes) {
+    if (ex->stream_ && in_my_staging(dst)) {
       stream_copy(dst, src, bytes);
       ex->streamed_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     } else {
       std::memcpy(dst, src, bytes);
     }
+  }
+  bool in_my_staging(const char* p) const {
+    const char* stage = my() + ex->layout_.staging_off;
+    return p >= stage && p < stage + 2 * ex->layout_.staging_bytes;
   }
   bool remote_read(int rank, char* dst, uint64_t addr, size_t bytes, Phase phase) {
     const CpuExecutor::Site site{phase, 0, rank};
