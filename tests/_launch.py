@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_worker.py")
@@ -65,7 +65,7 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
     names the ranks to start (default all): the others never arrive."""
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="nvrar-test-")
-    procs: List[Tuple[int, str, subprocess.Popen]] = []
+    ranks: List[_Rank] = []
     try:
         for r in (range(world) if start is None else start):
             a = dict(args or {})
@@ -84,80 +84,95 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
                 e.update(per_rank_env[r])
             report = os.path.join(tmp, f"rank{r}.json")
             cmd = [executable, WORKER, task, json.dumps(a), report]
-            procs.append((r, report, subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                      text=True)))
+            # Output into files, never pipes: a pipe that nobody drains while the launcher waits for
+            # another rank fills (64 KiB) and blocks the rank's next write, a hang of the test
+            # harness that looks like one of the protocol (a rank stuck in a print while its peer's
+            # kernel waits for it).
+            out_f = open(os.path.join(tmp, f"rank{r}.out"), "w+", errors="replace")
+            err_f = open(os.path.join(tmp, f"rank{r}.err"), "w+", errors="replace")
+            ranks.append(_Rank(r, report, subprocess.Popen(cmd, env=e, stdin=subprocess.DEVNULL, stdout=out_f,
+                                                           stderr=err_f), out_f, err_f))
         deadline = time.monotonic() + timeout
-        outputs: Dict[int, Tuple[str, str]] = {}
-        late: List[int] = []
+        late = False
         try:
-            for r, _report, p in procs:
+            for rk in ranks:
                 try:
-                    outputs[r] = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                    rk.p.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    late.append(r)
+                    late = True
                     break
         except BaseException as exc:  # pytest-timeout, a SIGTERM of the whole step (tests/gpu/conftest.py)
-            _interrupted(procs, outputs, exc)
+            _interrupted(ranks, exc)
             raise
+        notes: Dict[int, str] = {}
         if late:
             # Past the deadline: SIGTERM to every rank still running at once (_worker.py has
             # faulthandler print every thread's Python stack on it), SIGKILL after the grace period.
-            running = [(r, p) for r, _report, p in procs if r not in outputs]
-            stopped = {r for r, p in running if p.poll() is None}
-            for r, p in running:
-                if r in stopped:
-                    p.terminate()
-            grace_end = time.monotonic() + KILL_GRACE_S
-            for r, p in running:
-                how = "SIGTERM"
-                try:
-                    out, err = p.communicate(timeout=max(0.1, grace_end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    out, err = p.communicate()
-                    how = f"SIGTERM, then SIGKILL {KILL_GRACE_S:.0f} s later"
-                if r in stopped:
-                    err += f"\n[launch] rank {r} still running at the {timeout:.0f} s test deadline: stopped ({how})"
-                outputs[r] = (out, err)
+            for rk in ranks:
+                if rk.p.poll() is None:
+                    how = _stop([rk])[rk.rank]
+                    notes[rk.rank] = f"\n[launch] rank {rk.rank} still running at the {timeout:.0f} s test deadline: stopped ({how})"
         results = []
-        for r, report, p in procs:
-            out, err = outputs[r]
+        for rk in ranks:
             data = None
-            if os.path.exists(report):
-                with open(report) as f:
+            if os.path.exists(rk.report):
+                with open(rk.report) as f:
                     data = json.load(f)
-            results.append(RankResult(r, p.returncode, out, err, data))
+            results.append(RankResult(rk.rank, rk.p.returncode, rk.output(0), rk.output(1) + notes.get(rk.rank, ""), data))
         return results
     finally:  # the reports are read above: no rank outlives the call, nothing of it stays in /tmp
-        for _r, _report, p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        for rk in ranks:
+            if rk.p.poll() is None:
+                rk.p.kill()
+                rk.p.wait()
+            rk.out_f.close()
+            rk.err_f.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _interrupted(procs: List[Tuple[int, str, subprocess.Popen]], outputs: Dict[int, Tuple[str, str]],
-                 exc: BaseException) -> None:
+@dataclass
+class _Rank:
+    rank: int
+    report: str
+    p: subprocess.Popen
+    out_f: Any
+    err_f: Any
+
+    def output(self, which: int) -> str:
+        """What the rank wrote to stdout (0) or stderr (1) so far."""
+        f = self.err_f if which else self.out_f
+        f.flush()
+        f.seek(0)
+        return f.read()
+
+
+def _stop(ranks: List["_Rank"]) -> Dict[int, str]:
+    """SIGTERM to every rank of `ranks` still running, at once; SIGKILL to those still running
+    KILL_GRACE_S later. How each was stopped, by rank."""
+    running = [rk for rk in ranks if rk.p.poll() is None]
+    for rk in running:
+        rk.p.terminate()
+    grace_end = time.monotonic() + KILL_GRACE_S
+    how: Dict[int, str] = {}
+    for rk in running:
+        how[rk.rank] = "SIGTERM"
+        try:
+            rk.p.wait(timeout=max(0.1, grace_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rk.p.kill()
+            rk.p.wait()
+            how[rk.rank] = f"SIGTERM, then SIGKILL {KILL_GRACE_S:.0f} s later"
+    return how
+
+
+def _interrupted(ranks: List[_Rank], exc: BaseException) -> None:
     """The launcher itself interrupted while ranks run (pytest-timeout, or the step's deadline):
     SIGTERM to every rank still running (each prints its Python stacks), at most KILL_GRACE_S for
     them to end, and every rank's output written straight to file descriptor 2 (the log of
     scripts/gpu_check.sh, which runs pytest with --capture=sys: it survives the test's end)."""
-    for _r, _report, p in procs:
-        if p.poll() is None:
-            p.terminate()
-    grace_end = time.monotonic() + KILL_GRACE_S
-    results = []
-    for r, _report, p in procs:
-        if r in outputs:
-            out, err = outputs[r]
-        else:
-            try:
-                out, err = p.communicate(timeout=max(0.1, grace_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-        results.append(RankResult(r, p.returncode, out or "", err or "", None))
-    text = (f"\n[launch] interrupted ({type(exc).__name__}: {str(exc)[:200]}) while {len(procs)} ranks ran: "
+    _stop(ranks)
+    results = [RankResult(rk.rank, rk.p.returncode, rk.output(0), rk.output(1), None) for rk in ranks]
+    text = (f"\n[launch] interrupted ({type(exc).__name__}: {str(exc)[:200]}) while {len(ranks)} ranks ran: "
             f"stopped (SIGTERM); their output:\n{describe(results)}\n")
     try:
         os.write(2, text.encode(errors="replace"))

@@ -552,6 +552,30 @@ def task_store(args: dict) -> dict:
 TASKS["store"] = task_store
 
 
+def task_chatty(args: dict) -> dict:
+    """The launcher's own test: the last rank writes `bytes` to stdout and to stderr (far more than
+    a pipe holds) and then leaves a flag file; rank 0 waits for that flag, as a rank's kernel waits
+    for a peer that is still printing its progress. A launcher that drains one rank's output at a
+    time never lets the last rank finish writing while it waits for rank 0."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == world - 1:
+        line = "x" * 99 + "\n"
+        for _ in range(args["bytes"] // len(line)):
+            sys.stdout.write(line)
+            sys.stderr.write(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        open(args["flag"], "w").close()
+        return {"wrote": args["bytes"]}
+    until = time.monotonic() + args["wait"]
+    while not os.path.exists(args["flag"]) and time.monotonic() < until:
+        time.sleep(0.01)
+    return {"saw_flag": os.path.exists(args["flag"])}
+
+
+TASKS["chatty"] = task_chatty
+
+
 def main() -> int:
     task, args, report_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if task not in TASKS and task.startswith("seg_"):

@@ -48,3 +48,15 @@ def test_torch_distributed_groups():
     subs = [rep["sub"] for rep in reports if "sub" in rep]
     assert sorted(s["rank"] for s in subs) == [0, 1]
     assert all(s["world"] == 2 and s["max_ok"] for s in subs)
+
+
+def test_launcher_drains_every_rank_while_it_waits(tmp_path):
+    """A rank that prints far more than a pipe holds (the GPU tasks print two progress lines per
+    call) while rank 0 waits for it: the launcher must take every rank's output at once. Draining
+    rank 0 first left the last rank blocked in a write after about 600 GPU calls, and rank 0's
+    kernel timed out waiting for it."""
+    flag = str(tmp_path / "written")
+    res = launch(2, "chatty", {"bytes": 1 << 20, "flag": flag, "wait": 20.0}, timeout=60)
+    reports = assert_all_ok(res)
+    assert reports[0]["saw_flag"], "the last rank never finished writing while rank 0 waited"
+    assert len(res[1].stdout) >= (1 << 20) - 100 and len(res[1].stderr) >= (1 << 20) - 100
