@@ -358,8 +358,9 @@ class Communicator:
         return x if out is None else out
 
     def check(self, stream: Any = None) -> None:
-        """GPU: synchronize ``stream`` (default: the current torch stream, if torch is loaded)
-        and raise the failure a kernel recorded, if any. CPU: raise if the communicator failed."""
+        """GPU: synchronize ``stream`` (default: the current torch stream if torch is loaded,
+        else the legacy default stream) and raise the failure a kernel recorded, if any. CPU:
+        raise if the communicator failed."""
         self._check_open("check")
         if self._device == "cpu":
             if self._ex.failed:

@@ -76,7 +76,7 @@ class GpuExecutor {
   // in place (NOTE [fused add + RMSNorm]). One kernel of one block per call (fused_kernel.cuh).
   void all_reduce_add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, size_t rows, size_t h, DType dtype,
                                float eps, Algorithm algorithm, uintptr_t stream);
-  // Raise if a kernel recorded a failure (after synchronizing `stream` when nonzero).
+  // Synchronize `stream` (0: the legacy default stream), then raise if a kernel recorded a failure.
   void check(uintptr_t stream);
   Algorithm resolve(Algorithm v, size_t bytes) const;
   uint64_t epoch();  // synchronizes the device

@@ -275,6 +275,14 @@ void GpuExecutor::Impl::init_nvshmem(const std::string& uid) {
     NVRAR_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, "NVSHMEM did not finish initializing");
     g_registered = true;
   }
+  // Several PEs on one GPU without MPS: NVSHMEM runs in its limited multi-process-per-GPU mode,
+  // where it refuses collectives (the set-up verdict's nvshmem_int_max_reduce among them) by
+  // ending the process. NVSHMEM decides the mode at initialization from every PE's GPU, so every
+  // PE raises here alike, before any collective of the set-up.
+  NVRAR_CHECK(nvshmemx_init_status() != NVSHMEM_STATUS_LIMITED_MPG, "several ranks share GPU ", cfg.device,
+              " without MPS: NVSHMEM runs in its limited multi-process-per-GPU mode, which refuses the collectives "
+              "that the set-up needs; start the MPS control daemon (nvidia-cuda-mps-control -d) with "
+              "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE at most 100 / (ranks per GPU), or give each rank its own GPU");
 }
 
 // NOTE [set-up verdict]: a PE whose set-up step fails after NVSHMEM is initialized must not leave
@@ -529,14 +537,15 @@ void GpuExecutor::Impl::raise_recorded() {
 void GpuExecutor::check(uintptr_t stream) {
   Impl& I = *impl_;
   NVRAR_CHECK(!I.closed, "the communicator is closed");
-  if (stream != 0) {
-    const cudaError_t st = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
-    // A kernel that found its communicator failed at entry traps (NOTE [loud after failure],
-    // device.cuh): the recorded failure (host-mapped, readable still) says why, before the CUDA
-    // error that the trap left in the context.
-    if (st != cudaSuccess) I.raise_recorded();
-    NVRAR_CUDA_CHECK(st);
-  }
+  // Handle 0 is the legacy default stream (torch's default stream, and every launch of a caller
+  // that names no stream), synchronized like any other: skipping it let check() return while a
+  // call on it still waited for a peer, so its timeout went unreported.
+  const cudaError_t st = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+  // A kernel that found its communicator failed at entry traps (NOTE [loud after failure],
+  // device.cuh): the recorded failure (host-mapped, readable still) says why, before the CUDA
+  // error that the trap left in the context.
+  if (st != cudaSuccess) I.raise_recorded();
+  NVRAR_CUDA_CHECK(st);
   I.raise_recorded();
 }
 

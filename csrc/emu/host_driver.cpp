@@ -541,6 +541,27 @@ void run_preinit_failure(const std::string& point, const std::string& needle, ui
   }, [&](Machine& m) { m.inject(1, point); });
 }
 
+// Several PEs on one GPU without MPS (NVSHMEM's limited multi-process-per-GPU mode, where NVSHMEM
+// ends the process at the set-up verdict's reduction): every PE raises with what to do instead.
+void run_limited_mpg(uint64_t seed) {
+  const int W = 2, G = 2;
+  MachineConfig mc = machine(W, G, seed);
+  mc.limited_mpg = true;
+  Machine m(mc);
+  UidBox box;
+  no_errors(run_pes(m, W, [&](int r) {
+    const std::string uid = share_uid(box, r);
+    try {
+      GpuExecutor ex(config(r, W, G), uid);
+      REQUIRE(false, "rank " << r << ": the set-up did not fail in NVSHMEM's limited multi-process-per-GPU mode");
+    } catch (const nvrar::Error& e) {
+      const std::string t = e.what();
+      REQUIRE(t.find("without MPS") != std::string::npos && t.find("nvidia-cuda-mps-control") != std::string::npos,
+              "rank " << r << ": " << t);
+    }
+  }));
+}
+
 // Refusals before any collective, identical on every PE.
 void run_refusals(uint64_t seed) {
   const int W = 2;
@@ -729,6 +750,37 @@ void run_timeout_and_replay(uint64_t seed) {
   });
 }
 
+// check() on the legacy default stream (handle 0: torch's default stream, the stream of a caller
+// that names none) waits for the calls on it like on any other: a timeout there is raised by
+// check(), not left to the next call (check(0) once returned at once).
+void run_timeout_on_legacy_stream(uint64_t seed) {
+  const int W = 2;
+  HostBarrier bar(W);
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
+    GpuConfig c = config(r, W, 1);
+    c.timeout_s = 0.5;
+    GpuExecutor ex(c, share_uid(box, r));
+    const size_t n = 2000;
+    DevBuf<float> a(n);
+    fill(a.p, r, n, 1, nullptr);
+    ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, 0);
+    ex.check(0);
+    verify(a.p, RedOp::kSum, W, n, 1, "legacy stream");
+    bar.wait();
+    if (r == 0) {  // rank 1 never makes the second call
+      ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, 0);
+      try {
+        ex.check(0);
+        REQUIRE(false, "rank 0: check(0) returned while its call on the legacy stream waited for rank 1");
+      } catch (const nvrar::ProtocolError& e) {
+        REQUIRE(e.is_timeout() && e.peer == 1, "rank 0: " << e.what());
+      }
+    }
+    bar.wait();
+    if (r == 0) ex.abandon();  // its peer never came: no collective on it
+  });
+}
+
 // abandon() (interpreter exit, a failed set-up elsewhere) with a call in flight whose peer never
 // comes: it returns once the kernel has ended by its deadline, leaving no work on the streams for
 // CUDA's and NVSHMEM's teardown.
@@ -779,6 +831,8 @@ std::vector<Case> make_cases() {
   cs.push_back({"invalidated capture", false, [](uint64_t s) { run_invalidated_capture(s); }});
   cs.push_back({"timeout, refusal, replay after the failure traps", true, [](uint64_t s) { run_timeout_and_replay(s); }});
   cs.push_back({"abandon with a call in flight", true, [](uint64_t s) { run_abandon_in_flight(s); }});
+  cs.push_back({"check on the legacy stream waits for its calls", true, [](uint64_t s) { run_timeout_on_legacy_stream(s); }});
+  cs.push_back({"limited multi-process-per-GPU mode refused", true, [](uint64_t s) { run_limited_mpg(s); }});
   struct Point {
     const char* what;
     int nth;

@@ -430,7 +430,7 @@ int rendezvous(Pe& P, const std::string& uid, int rank, int nranks) {
   P.world = b.world;
   P.rank = rank;
   P.nranks = nranks;
-  P.status = NVSHMEM_STATUS_IS_INITIALIZED;
+  P.status = M.cfg.limited_mpg ? NVSHMEM_STATUS_LIMITED_MPG : NVSHMEM_STATUS_IS_INITIALIZED;
   P.refs = 1;
   P.allocs.clear();
   bind_host_thread(P.world, rank);

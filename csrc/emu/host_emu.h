@@ -30,6 +30,7 @@ struct MachineConfig {
   int resident = 0;                    // an ordinary launch's block waves (0: every block at once)
   int consistency_delay_us = 0;        // WorldConfig::consistency_delay_us
   size_t max_piece_bytes = 256;
+  bool limited_mpg = false;            // init reports NVSHMEM_STATUS_LIMITED_MPG (PEs share a GPU without MPS)
 };
 
 // One emulated machine: create it, start one thread per PE, bind each (bind()), and let them
