@@ -7,7 +7,7 @@ elapsed time and deadline, each nvcc unit's seconds, the notes and the final sta
 
 The log's lines it reads (gpu_check.sh writes them):
 
-    gpu_check plan: setup=30 wheels=15 ... budget=530          (first line: the steps and deadlines)
+    gpu_check plan: setup=30 wheels=25 ... budget=530          (first line: the steps and deadlines)
     step-end: NAME STATUS rc=RC elapsed=S deadline=S            (as each step ends)
     verdict: step NAME STATUS rc=RC elapsed=S deadline=S        (the verdict, in the EXIT trap)
     verdict: unit NAME set=SET seconds=S rc=RC                  (SET: smoke, rest or all)

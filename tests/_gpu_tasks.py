@@ -381,7 +381,8 @@ def task_gpu_n4p_init(args: dict) -> dict:
     n = args.get("count", 40000)
     t = core.tensor((n,), dtype=torch.float32)  # refused ("not initialized") before this change
     second = _comm(args)
-    out.update(_n4p_checks(second, core, {"n4p": t, "empty_of_first": comm.empty(n, torch.float32)}))
+    out.update(_n4p_checks(second, core, {"n4p": t, "empty_of_first": comm.empty(n, torch.float32),
+                                          "ordinary": torch.empty(n, device="cuda")}))  # staged, not zero-copy
     out["calls"] = _n4p_calls_work(core, rank, world)
     core.free_tensor(t)
     second.close()
