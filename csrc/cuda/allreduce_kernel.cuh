@@ -25,7 +25,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_allreduce_kernel(const _
   const int B = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);
   tp.set_channel(kp.channels, B, b);
-  if (tp.failed_before(e0)) device_trap();  // NOTE [loud after failure] (device.cuh)
+  if (tp.failed_before(e0)) {  // NOTE [loud after failure] (device.cuh)
+    if (!kp.eager) device_trap();
+    return;
+  }
   for (size_t c = 0; c < nchunks; ++c) {
     const uint64_t e = e0 + 1 + c;
     const size_t first = c * kp.chunk_elems;

@@ -292,12 +292,17 @@ struct GpuTransport {
 
   // NOTE [loud after failure]: a kernel of a communicator that failed (this rank recorded a
   // failure, or another rank's abort arrived) runs no round: the slots' state after the failed
-  // round is unknown (a put of that round may still land), NOTE [epoch protocol]. An eager call
-  // never gets here (the host raises the recorded failure before it launches); a CUDA-graph
-  // replay does, with no nvrar host code around it: the kernel records the abort if it was not
-  // recorded yet, then traps (device_trap), so that the replay ends with an error that every
-  // later CUDA call of the process reports instead of decoding on stale data. Every thread of
-  // the block: true (after the block agreed) where the kernel must trap.
+  // round is unknown (a put of that round may still land), NOTE [epoch protocol]. It records the
+  // abort if it was not recorded yet. A CUDA-graph replay, with no nvrar host code around it, then
+  // traps (device_trap), so that the replay ends with an error that every later CUDA call of the
+  // process reports instead of decoding on stale data. An eager launch returns instead
+  // (KernelParams::eager): its host raises the recorded failure at the next call or check(). The
+  // host raises a failure it already sees before it launches, but an abort that lands between that
+  // check and the kernel's start reaches the kernel: a trap there would leave the context unusable
+  // for the rest of the process and, under MPS, end the work of every process sharing the GPU (on
+  // the H200, 2026-12-04, one such trap turned the other PEs' pending calls into 'unspecified
+  // launch failure'). Every thread of the block: true (after the block agreed) where the kernel
+  // must stop.
   __device__ bool failed_before(uint64_t e0) {
     if (threadIdx.x == 0) {
       const bool mine = ld_volatile(&kp.state->err_claim) != 0;

@@ -69,7 +69,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) nvrar_fused_kernel(const __gri
   const size_t nchunks = ceil_div(fp.rows, fp.chunk_rows);
   const size_t es = static_cast<size_t>(kp.es);
   const size_t row_bytes = fp.h * es;
-  if (tp.failed_before(e0)) device_trap();  // NOTE [loud after failure] (device.cuh)
+  if (tp.failed_before(e0)) {  // NOTE [loud after failure] (device.cuh)
+    if (!fp.kp.eager) device_trap();
+    return;
+  }
   for (size_t c = 0; c < nchunks; ++c) {
     const uint64_t e = e0 + 1 + c;
     const size_t r0 = c * fp.chunk_rows;

@@ -71,6 +71,9 @@ struct KernelParams {
   // Messages per peer per inter-node step (NOTE [channels], device.cuh): the blocks' slices are
   // gathered into this many channel messages; >= the number of blocks: one message per block.
   int channels;
+  // Launched eagerly (not captured in a CUDA graph): a kernel that finds its communicator failed
+  // at entry returns instead of trapping (NOTE [loud after failure], device.cuh).
+  bool eager;
 };
 
 // The most channels (NOTE [channels], device.cuh).

@@ -570,7 +570,7 @@ void GpuExecutor::Impl::enqueue(cudaStream_t s, const char* what, const Launch& 
   } else if (launched) {
     NVRAR_CUDA_CHECK(cudaStreamWaitEvent(s, last_launch, cudaEventWaitExternal));
   }
-  NVRAR_CUDA_CHECK(launch());
+  NVRAR_CUDA_CHECK(launch(eager));
   if (eager) {
     NVRAR_CUDA_CHECK(cudaEventRecord(last_launch, s));
     last_stream = s;
@@ -597,8 +597,11 @@ void GpuExecutor::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dt
                                                     c.bytes, cudaMemcpyDeviceToDevice, s));
     return;
   }
-  const KernelParams kp = allreduce_params(c, in, out, count, dtype, op, I.geo, I.handles());
-  I.enqueue(s, "all_reduce", [&]() { return launch_allreduce(kp, dtype, op, c.slices, I.cfg.threads, s); });
+  KernelParams kp = allreduce_params(c, in, out, count, dtype, op, I.geo, I.handles());
+  I.enqueue(s, "all_reduce", [&](bool eager) {
+    kp.eager = eager;
+    return launch_allreduce(kp, dtype, op, c.slices, I.cfg.threads, s);
+  });
 }
 
 
@@ -621,9 +624,12 @@ void GpuExecutor::all_reduce_add_rms_norm(uintptr_t x, uintptr_t residual, uintp
   NVRAR_CHECK(I.fused_threads >= 32, what, ": no fused kernel in this module (NVRAR_CUDA_UNITS=smoke), or its "
               "launch limits could not be queried on this device");
   // The algorithm, the chunking and the parameters: launch_params.h (its checks name the call).
-  const FusedParams fp = fused_params(I.geo, I.handles(), x, residual, weight, rows, h, dtype, eps, requested);
+  FusedParams fp = fused_params(I.geo, I.handles(), x, residual, weight, rows, h, dtype, eps, requested);
   const int threads = I.fused_threads;
-  I.enqueue(s, what, [&]() { return launch_fused(fp, dtype, threads, s); });
+  I.enqueue(s, what, [&](bool eager) {
+    fp.kp.eager = eager;
+    return launch_fused(fp, dtype, threads, s);
+  });
 }
 
 }  // namespace gpu

@@ -767,17 +767,65 @@ void run_timeout_on_legacy_stream(uint64_t seed) {
     ex.check(0);
     verify(a.p, RedOp::kSum, W, n, 1, "legacy stream");
     bar.wait();
+    std::string bad;  // checked after the last barrier, so that a failed check leaves no PE waiting
     if (r == 0) {  // rank 1 never makes the second call
       ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, 0);
       try {
         ex.check(0);
-        REQUIRE(false, "rank 0: check(0) returned while its call on the legacy stream waited for rank 1");
+        bad = "rank 0: check(0) returned while its call on the legacy stream waited for rank 1";
       } catch (const nvrar::ProtocolError& e) {
-        REQUIRE(e.is_timeout() && e.peer == 1, "rank 0: " << e.what());
+        if (!e.is_timeout() || e.peer != 1) bad = std::string("rank 0: ") + e.what();
       }
     }
     bar.wait();
     if (r == 0) ex.abandon();  // its peer never came: no collective on it
+    REQUIRE(bad.empty(), bad);
+  });
+}
+
+// An eager call launched after a peer's abort arrived (the host cannot see the abort cell, so it
+// launches): the kernel records the abort and returns, check() raises it, and the context keeps no
+// sticky error (a trap there would, and under MPS it ends every process sharing the GPU).
+void run_eager_after_abort(uint64_t seed) {
+  const int W = 2;
+  HostBarrier bar(W);
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
+    GpuConfig c = config(r, W, 1);
+    c.timeout_s = 0.5;
+    GpuExecutor ex(c, share_uid(box, r));
+    cudaStream_t s = nullptr;
+    cuda(cudaStreamCreate(&s), "stream");
+    const size_t n = 2000;
+    DevBuf<float> a(n);
+    fill(a.p, r, n, 1, s);
+    ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
+    ex.check(reinterpret_cast<uintptr_t>(s));
+    verify(a.p, RedOp::kSum, W, n, 1, "before the failure");
+    bar.wait();
+    if (r == 1) {  // alone: times out and aborts rank 0
+      ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
+      try {
+        ex.check(reinterpret_cast<uintptr_t>(s));
+        REQUIRE(false, "rank 1: no timeout raised");
+      } catch (const nvrar::ProtocolError& e) {
+        REQUIRE(e.is_timeout(), "rank 1: " << e.what());
+      }
+    }
+    bar.wait();
+    std::string bad;  // checked after the last barrier, so that a failed check leaves no PE waiting
+    if (r == 0) {  // rank 1's abort is in rank 0's abort cell; nothing is recorded on rank 0's host yet
+      ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
+      try {
+        ex.check(reinterpret_cast<uintptr_t>(s));
+        bad = "rank 0: the call after rank 1's abort raised nothing";
+      } catch (const nvrar::ProtocolError& e) {
+        if (std::string(e.what()).find("aborted by rank 1") == std::string::npos) bad = std::string("rank 0: ") + e.what();
+      }
+      if (bad.empty() && nvrar::emu::host::sticky_error()) bad = "rank 0: the eager call after the abort trapped";
+    }
+    bar.wait();
+    ex.abandon();  // a peer failed: no collective on it
+    REQUIRE(bad.empty(), bad);
   });
 }
 
@@ -833,6 +881,7 @@ std::vector<Case> make_cases() {
   cs.push_back({"abandon with a call in flight", true, [](uint64_t s) { run_abandon_in_flight(s); }});
   cs.push_back({"check on the legacy stream waits for its calls", true, [](uint64_t s) { run_timeout_on_legacy_stream(s); }});
   cs.push_back({"limited multi-process-per-GPU mode refused", true, [](uint64_t s) { run_limited_mpg(s); }});
+  cs.push_back({"an eager call after an abort returns without trapping", true, [](uint64_t s) { run_eager_after_abort(s); }});
   struct Point {
     const char* what;
     int nth;
