@@ -211,6 +211,27 @@ struct GpuTransport {
     return desc_equal(theirs, desc);
   }
 
+  // What a call mismatch records beside its kind (ErrorRecord::detail, got, want).
+  struct Mismatch {
+    uint32_t detail = 0;
+    uint64_t got = 0, want = 0;
+  };
+  // Leader only, after a mismatch: the first of `n` words at `w` that differs from `mine`.
+  __device__ static Mismatch mismatch_at(uint32_t detail, const uint64_t* w, const uint64_t* mine, int n) {
+    Mismatch m;
+    m.detail = detail | (0xffu << 8);  // (no word differs on a second reading)
+    for (int k = 0; k < n; ++k) {
+      const uint64_t got = ld_relaxed_sys(w + k);
+      if (got != mine[k]) {
+        m.detail = detail | (static_cast<uint32_t>(k) << 8);
+        m.got = got;
+        m.want = mine[k];
+        break;
+      }
+    }
+    return m;
+  }
+
   // Leader only: whether the trailer of the put flagged in the inter cell `cell` holds this
   // block's description, the round's flag word `word` and the rank `peer`.
   __device__ bool trailer_matches(size_t cell, uint64_t word, int peer) const {
@@ -251,7 +272,7 @@ struct GpuTransport {
   // device memory (atomic among this GPU's blocks); the winner alone writes the host-mapped
   // record: `code` first, the fields, then `published`.
   __device__ void record(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
-                         int origin) {
+                         int origin, const Mismatch& mm = Mismatch{}) {
     if (atomicCAS(&kp.state->err_claim, 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
       st_volatile(&kp.err->code, static_cast<unsigned long long>(kind));
       kp.err->phase = static_cast<uint32_t>(phase);
@@ -260,6 +281,9 @@ struct GpuTransport {
       kp.err->origin = origin;
       kp.err->epoch = epoch;
       kp.err->observed = observed;
+      kp.err->detail = mm.detail;
+      kp.err->got = mm.got;
+      kp.err->want = mm.want;
       __threadfence_system();
       st_volatile(&kp.err->published, 1ull);
     }
@@ -277,8 +301,8 @@ struct GpuTransport {
   // one release store per local rank, one signal per remote PE; no fence, no quiet, no wait on
   // any completion (a dead peer NIC cannot hold the way out).
   __device__ void fail(ProtocolErrorKindCode kind, Phase phase, int step, int peer, uint64_t epoch, uint64_t observed,
-                       int origin) {
-    record(kind, phase, step, peer, epoch, observed, origin);
+                       int origin, const Mismatch& mm = Mismatch{}) {
+    record(kind, phase, step, peer, epoch, observed, origin, mm);
     const Layout& w = kp.cfg.where;
     const size_t abort_off = kp.cfg.L.abort_cell();
     const uint64_t word = abort_word(kind, origin);
@@ -369,7 +393,11 @@ struct GpuTransport {
         ok = 0;
       }
       if (ok && flag_sig(v) != sig) {
-        fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+        Mismatch mm;
+        mm.detail = kMismatchSignature;
+        mm.got = flag_sig(v);
+        mm.want = sig;
+        fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank, mm);
         ok = 0;
       }
       if (ok && inter) {
@@ -380,7 +408,12 @@ struct GpuTransport {
       // The sender's description (in node: stored before the flag's release; across nodes: the
       // trailer of the put, NOTE [gpu call description]) must be mine.
       if (ok && (inter ? in_wire() && !trailer_matches(cell, v, peer) : !desc_matches(cell))) {
-        fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank);
+        const uint64_t mine[kDescWords + 2] = {desc.count, desc.code, desc.n, desc.shape, v, static_cast<uint64_t>(peer)};
+        const Mismatch mm =
+            inter ? mismatch_at(kMismatchTrailer, trailer_of(kp.my + inter_zone(cell), inter_bytes), mine, kDescWords + 2)
+                  : mismatch_at(kMismatchCellDesc, reinterpret_cast<const uint64_t*>(kp.my + cell) + kCellDesc, mine,
+                                kDescWords);
+        fail(kMismatchCode, phase, step, peer, e, flag_epoch(v), kp.cfg.where.rank, mm);
         ok = 0;
       }
       sh.aux0 = ok ? ld_relaxed_sys(c + 1) : 0;
@@ -495,7 +528,8 @@ struct GpuTransport {
   // Threads poll packets [lo, hi) of the stream at pk, each its own. The first failure a thread
   // sees claims sh.ok (1 -> code, compare-and-swap, so it is never overwritten); the others stop
   // as soon as sh.ok is not 1.
-  static constexpr int kLLTimedOut = 0, kLLMismatched = -1, kLLAborted = -2;  // sh.ok once a thread failed
+  static constexpr int kLLTimedOut = 0, kLLMismatched = -1, kLLAborted = -2,  // sh.ok once a thread failed
+      kLLDescMismatched = -3;
   __device__ void ll_poll(const uint64_t* pk, size_t lo, size_t hi, uint32_t flag, uint64_t start) {
     const uint64_t* abort_word = reinterpret_cast<const uint64_t*>(kp.my + kp.cfg.L.abort_cell());
     for (size_t i = lo + threadIdx.x; i < hi && ld_volatile(&sh.ok) == 1; i += blockDim.x) {
@@ -542,7 +576,7 @@ struct GpuTransport {
     __syncthreads();
     ll_poll(pk, 0, kDescPackets, flag, start);
     __syncthreads();
-    if (threadIdx.x == 0 && sh.ok == 1 && !ll_desc_matches(pk)) sh.ok = kLLMismatched;
+    if (threadIdx.x == 0 && sh.ok == 1 && !ll_desc_matches(pk)) sh.ok = kLLDescMismatched;
     __syncthreads();
     ll_poll(pk, kDescPackets, kDescPackets + ll_packets(bytes), flag, start);
     __syncthreads();
@@ -550,8 +584,27 @@ struct GpuTransport {
     if (threadIdx.x == 0 && result != 1) {
       if (result == kLLTimedOut)
         fail(kTimeoutCode, Phase::kInterNode, step, peer, e, 0, kp.cfg.where.rank);
-      else if (result == kLLMismatched)
-        fail(kMismatchCode, Phase::kInterNode, step, peer, e, e, kp.cfg.where.rank);
+      else if (result == kLLMismatched || result == kLLDescMismatched) {
+        Mismatch mm;
+        mm.detail = kMismatchLLFlag;
+        if (result == kLLDescMismatched) {
+          // The description's 32-bit halves, in packet order (NOTE [gpu call description]).
+          uint64_t mine[kDescPackets];
+          const uint64_t d[4] = {desc.count, desc.code, desc.n, desc.shape};
+          for (unsigned k = 0; k < kDescPackets; ++k) mine[k] = (k & 1) ? d[k / 2] >> 32 : d[k / 2] & 0xffffffffu;
+          uint64_t got[kDescPackets];
+          for (unsigned k = 0; k < kDescPackets; ++k) got[k] = ld_relaxed_sys(pk + k) & 0xffffffffu;
+          mm.detail = kMismatchLLDesc | (0xffu << 8);
+          for (unsigned k = 0; k < kDescPackets; ++k)
+            if (got[k] != mine[k]) {
+              mm.detail = kMismatchLLDesc | (k << 8);
+              mm.got = got[k];
+              mm.want = mine[k];
+              break;
+            }
+        }
+        fail(kMismatchCode, Phase::kInterNode, step, peer, e, e, kp.cfg.where.rank, mm);
+      }
       else if (!aborted(Phase::kInterNode, step, peer, e))
         fail(kViolationCode, Phase::kInterNode, step, peer, e, 0, kp.cfg.where.rank);  // cannot happen
     }

@@ -38,7 +38,20 @@ struct ErrorRecord {
   int32_t origin;           // for an abort: the rank that failed first
   unsigned long long epoch;
   unsigned long long observed;
+  // For a call mismatch: what differed (kMismatch*, with the word's index in bits 8..15) and the
+  // peer's word against mine, so that a log says which field of which message disagreed.
+  uint32_t detail;
+  uint32_t pad;
+  unsigned long long got;
+  unsigned long long want;
 };
+
+// ErrorRecord::detail of a call mismatch (low 8 bits; bits 8..15: the word's index).
+constexpr uint32_t kMismatchSignature = 1;  // the flag's 16-bit call signature (got, want: the signatures)
+constexpr uint32_t kMismatchCellDesc = 2;   // the in-node flag cell's call description, word k
+constexpr uint32_t kMismatchTrailer = 3;    // the put's trailer, word k (4: flag word, 5: sender's rank)
+constexpr uint32_t kMismatchLLFlag = 4;     // an LL packet's flag: same epoch bits, another signature
+constexpr uint32_t kMismatchLLDesc = 5;     // the LL stream's description packets, word k
 
 // Device-resident state of a communicator: the epoch only increases and is advanced by the
 // kernel itself, so a CUDA graph that replays the kernel stays in step with its peers.

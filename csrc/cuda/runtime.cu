@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -503,6 +504,39 @@ uint64_t GpuExecutor::epoch() {
   return e;
 }
 
+namespace {
+// What a call mismatch's record says differed (ErrorRecord::detail, got, want; params.h).
+std::string mismatch_text(const ErrorRecord& r) {
+  static const char* const kDescNames[] = {"count", "dtype/op/algorithm code", "round elements", "shape"};
+  static const char* const kTrailerNames[] = {"count", "dtype/op/algorithm code", "round elements", "shape",
+                                              "flag word", "sender's rank"};
+  const unsigned what = r.detail & 0xffu, k = (r.detail >> 8) & 0xffu;
+  auto hex = [](unsigned long long v) {
+    char b[32];
+    std::snprintf(b, sizeof(b), "0x%llx", v);
+    return std::string(b);
+  };
+  auto word = [&](const char* where, const char* const* names, unsigned n) {
+    if (k == 0xffu) return std::string(where) + " differed, then read the same on a second reading";
+    const std::string name = k < n ? names[k] : "word " + std::to_string(k);
+    return std::string(where) + "'s " + name + " is " + hex(r.got) + ", mine " + hex(r.want);
+  };
+  switch (what) {
+    case kMismatchSignature:
+      return "the flag's call signature is " + hex(r.got) + ", mine " + hex(r.want);
+    case kMismatchCellDesc: return word("the flag cell's call description", kDescNames, 4);
+    case kMismatchTrailer: return word("the put's trailer", kTrailerNames, 6);
+    case kMismatchLLFlag: return "an LL packet's flag carries another call signature";
+    case kMismatchLLDesc: {
+      if (k == 0xffu) return "the LL description packets differed, then read the same on a second reading";
+      return std::string("the LL description packet ") + std::to_string(k) + " (" + kDescNames[(k / 2) % 4] +
+             (k % 2 ? ", high half" : ", low half") + ") is " + hex(r.got) + ", mine " + hex(r.want);
+    }
+    default: return "the flag's call signature or description differs";
+  }
+}
+}  // namespace
+
 void GpuExecutor::Impl::raise_recorded() {
   // The device claims `code` first, writes the fields, then sets `published`: wait (bounded) for
   // it, so the fields read are whole.
@@ -525,7 +559,7 @@ void GpuExecutor::Impl::raise_recorded() {
   } else {
     switch (kind) {
       case ProtocolError::Kind::kTimeout: text = timeout_text(cfg.timeout_s); break;
-      case ProtocolError::Kind::kMismatch: text = "call mismatch (the flag's call signature differs)"; break;
+      case ProtocolError::Kind::kMismatch: text = "call mismatch (" + mismatch_text(r) + ")"; break;
       case ProtocolError::Kind::kViolation: text = "protocol violation: a flag arrived from a later round"; break;
       default: text = "aborted"; break;
     }

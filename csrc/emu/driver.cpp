@@ -319,7 +319,8 @@ void run_call(Exec& ex, const std::vector<CallArgs>& a, size_t chunk_override = 
 std::string record_text(const ErrorRecord& e) {
   std::ostringstream os;
   os << "code " << e.code << " phase " << phase_name(static_cast<Phase>(e.phase)) << " step " << e.step << " peer "
-     << e.peer << " origin " << e.origin << " epoch " << e.epoch << " observed " << e.observed;
+     << e.peer << " origin " << e.origin << " epoch " << e.epoch << " observed " << e.observed << " detail 0x" << std::hex
+     << e.detail << " got 0x" << e.got << " want 0x" << e.want << std::dec;
   return os.str();
 }
 
@@ -806,6 +807,20 @@ void run_collision(int N, int G, int odd, uint64_t seed, bool ll = false, bool d
            "rank " << r << " did not raise the 100000 vs 131409 mismatch: " << record_text(e));
     expect_canary(args[static_cast<size_t>(r)].out + bytes[static_cast<size_t>(r)], r, "pool output");
   }
+  // The ranks that caught it themselves say what differed: the count, word 0 of the description
+  // (the signatures are equal), the peer's count against theirs.
+  int caught = 0;
+  for (int r = 0; r < W; ++r) {
+    const ErrorRecord& e = ex.err[static_cast<size_t>(r)];
+    if (e.origin != r) continue;
+    ++caught;
+    const unsigned what = e.detail & 0xffu, k = (e.detail >> 8) & 0xffu;
+    EXPECT((what == gpu::kMismatchCellDesc || what == gpu::kMismatchTrailer || what == gpu::kMismatchLLDesc) && k == 0,
+           "rank " << r << ": the mismatch does not name the count: " << record_text(e));
+    const unsigned long long mine = r == odd ? 131409 : 100000, theirs = r == odd ? 100000 : 131409;
+    EXPECT(e.want == mine && e.got == theirs, "rank " << r << ": the recorded counts are wrong: " << record_text(e));
+  }
+  EXPECT(caught > 0, "no rank recorded the mismatch as its own");
 }
 
 // A fused call on which one rank differs in h (same element count) or eps.

@@ -829,6 +829,42 @@ void run_eager_after_abort(uint64_t seed) {
   });
 }
 
+// A call mismatch the 16-bit signature cannot see (counts 100000 and 131409, float32 two-shot,
+// NOTE [call description]) raised with what differed: the rank that caught it names the count,
+// the peer's against its own; the other was aborted by it.
+void run_mismatch_text(uint64_t seed) {
+  const int W = 2;
+  HostBarrier bar(W);
+  std::string texts[W];
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
+    GpuExecutor ex(config(r, W, 1), share_uid(box, r));
+    cudaStream_t s = nullptr;
+    cuda(cudaStreamCreate(&s), "stream");
+    const size_t n = r == 0 ? 100000 : 131409;
+    DevBuf<float> a(131409);
+    fill(a.p, r, n, 1, s);
+    ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
+    try {
+      ex.check(reinterpret_cast<uintptr_t>(s));
+      texts[r] = "(nothing raised)";
+    } catch (const nvrar::ProtocolError& e) {
+      texts[r] = e.kind == nvrar::ProtocolError::Kind::kMismatch ? e.what() : std::string("(not a mismatch) ") + e.what();
+    }
+    bar.wait();
+    ex.abandon();  // a failed communicator: no collective on it
+    if (r != 0) return;
+    int named = 0;
+    for (int q = 0; q < W; ++q) {
+      const std::string& t = texts[q];
+      REQUIRE(t.find("call mismatch") != std::string::npos || t.find("aborted by rank") != std::string::npos,
+              "rank " << q << ": " << t);
+      const std::string want = q == 0 ? "count is 0x20151, mine 0x186a0" : "count is 0x186a0, mine 0x20151";
+      named += t.find(want) != std::string::npos ? 1 : 0;
+    }
+    REQUIRE(named >= 1, "no rank's error names the counts: [" << texts[0] << "] [" << texts[1] << "]");
+  });
+}
+
 // abandon() (interpreter exit, a failed set-up elsewhere) with a call in flight whose peer never
 // comes: it returns once the kernel has ended by its deadline, leaving no work on the streams for
 // CUDA's and NVSHMEM's teardown.
@@ -882,6 +918,7 @@ std::vector<Case> make_cases() {
   cs.push_back({"check on the legacy stream waits for its calls", true, [](uint64_t s) { run_timeout_on_legacy_stream(s); }});
   cs.push_back({"limited multi-process-per-GPU mode refused", true, [](uint64_t s) { run_limited_mpg(s); }});
   cs.push_back({"an eager call after an abort returns without trapping", true, [](uint64_t s) { run_eager_after_abort(s); }});
+  cs.push_back({"a call mismatch names what differed", true, [](uint64_t s) { run_mismatch_text(s); }});
   struct Point {
     const char* what;
     int nth;
