@@ -693,6 +693,19 @@ void run_invalidated_capture(uint64_t seed) {
   });
 }
 
+// A rank's configuration in the failure cases: one rank per node, a 0.5 s deadline.
+GpuConfig short_deadline(int r, int W) {
+  GpuConfig c = config(r, W, 1);
+  c.timeout_s = 0.5;
+  return c;
+}
+
+cudaStream_t new_stream() {
+  cudaStream_t s = nullptr;
+  cuda(cudaStreamCreate(&s), "stream");
+  return s;
+}
+
 // One rank never calls: the caller's check() raises the recorded timeout (phase, peer), a later
 // eager call is refused with that failure, and a replay of a graph captured before the failure
 // traps at entry: check() raises the recorded failure before the CUDA error.
@@ -700,11 +713,8 @@ void run_timeout_and_replay(uint64_t seed) {
   const int W = 2;
   HostBarrier bar(W);
   on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
-    GpuConfig c = config(r, W, 1);
-    c.timeout_s = 0.5;
-    GpuExecutor ex(c, share_uid(box, r));
-    cudaStream_t s = nullptr;
-    cuda(cudaStreamCreate(&s), "stream");
+    GpuExecutor ex(short_deadline(r, W), share_uid(box, r));
+    cudaStream_t s = new_stream();
     const size_t n = 2000;
     DevBuf<float> in(n), out(n);
     cudaGraph_t g = nullptr;
@@ -750,36 +760,64 @@ void run_timeout_and_replay(uint64_t seed) {
   });
 }
 
+// What check() raised after one call, for the cases below: they check it after their last barrier,
+// so that a failed expectation leaves no PE waiting at one.
+struct Raised {
+  bool any = false;
+  nvrar::ProtocolError::Kind kind{};
+  int peer = -1;
+  std::string text;
+};
+
+// One in-place float32 two-shot all_reduce of n elements at `a` on `s` (0: the legacy default
+// stream), then check(s).
+Raised reduce_and_check(GpuExecutor& ex, DevBuf<float>& a, size_t n, cudaStream_t s) {
+  Raised out;
+  ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
+  try {
+    ex.check(reinterpret_cast<uintptr_t>(s));
+  } catch (const nvrar::ProtocolError& e) {
+    out.any = true;
+    out.kind = e.kind;
+    out.peer = e.peer;
+    out.text = e.what();
+  }
+  return out;
+}
+
+// Two ranks, one per node, a 0.5 s deadline: `body(ex, r)` after one checked call on `s` (so that
+// the communicator has run), then every PE abandons it (a failed communicator: no collective).
+void two_ranks_short_deadline(uint64_t seed, bool legacy_stream,
+                              const std::function<std::string(GpuExecutor&, cudaStream_t, HostBarrier&, int)>& body) {
+  const int W = 2;
+  HostBarrier bar(W);
+  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
+    GpuExecutor ex(short_deadline(r, W), share_uid(box, r));
+    cudaStream_t s = legacy_stream ? nullptr : new_stream();
+    DevBuf<float> a(2000);
+    fill(a.p, r, 2000, 1, s);
+    const Raised first = reduce_and_check(ex, a, 2000, s);
+    REQUIRE(!first.any, "rank " << r << ": " << first.text);
+    verify(a.p, RedOp::kSum, W, 2000, 1, "before the failure");
+    bar.wait();
+    const std::string bad = body(ex, s, bar, r);
+    bar.wait();
+    ex.abandon();
+    REQUIRE(bad.empty(), bad);
+  });
+}
+
 // check() on the legacy default stream (handle 0: torch's default stream, the stream of a caller
 // that names none) waits for the calls on it like on any other: a timeout there is raised by
 // check(), not left to the next call (check(0) once returned at once).
 void run_timeout_on_legacy_stream(uint64_t seed) {
-  const int W = 2;
-  HostBarrier bar(W);
-  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
-    GpuConfig c = config(r, W, 1);
-    c.timeout_s = 0.5;
-    GpuExecutor ex(c, share_uid(box, r));
-    const size_t n = 2000;
-    DevBuf<float> a(n);
-    fill(a.p, r, n, 1, nullptr);
-    ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, 0);
-    ex.check(0);
-    verify(a.p, RedOp::kSum, W, n, 1, "legacy stream");
-    bar.wait();
-    std::string bad;  // checked after the last barrier, so that a failed check leaves no PE waiting
-    if (r == 0) {  // rank 1 never makes the second call
-      ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, 0);
-      try {
-        ex.check(0);
-        bad = "rank 0: check(0) returned while its call on the legacy stream waited for rank 1";
-      } catch (const nvrar::ProtocolError& e) {
-        if (!e.is_timeout() || e.peer != 1) bad = std::string("rank 0: ") + e.what();
-      }
-    }
-    bar.wait();
-    if (r == 0) ex.abandon();  // its peer never came: no collective on it
-    REQUIRE(bad.empty(), bad);
+  two_ranks_short_deadline(seed, true, [](GpuExecutor& ex, cudaStream_t s, HostBarrier&, int r) -> std::string {
+    if (r != 0) return "";  // rank 1 never makes the second call
+    DevBuf<float> a(2000);
+    const Raised e = reduce_and_check(ex, a, 2000, s);
+    if (!e.any) return "rank 0: check(0) returned while its call on the legacy stream waited for rank 1";
+    if (e.kind != nvrar::ProtocolError::Kind::kTimeout || e.peer != 1) return "rank 0: " + e.text;
+    return "";
   });
 }
 
@@ -787,45 +825,22 @@ void run_timeout_on_legacy_stream(uint64_t seed) {
 // launches): the kernel records the abort and returns, check() raises it, and the context keeps no
 // sticky error (a trap there would, and under MPS it ends every process sharing the GPU).
 void run_eager_after_abort(uint64_t seed) {
-  const int W = 2;
-  HostBarrier bar(W);
-  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
-    GpuConfig c = config(r, W, 1);
-    c.timeout_s = 0.5;
-    GpuExecutor ex(c, share_uid(box, r));
-    cudaStream_t s = nullptr;
-    cuda(cudaStreamCreate(&s), "stream");
-    const size_t n = 2000;
-    DevBuf<float> a(n);
-    fill(a.p, r, n, 1, s);
-    ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
-    ex.check(reinterpret_cast<uintptr_t>(s));
-    verify(a.p, RedOp::kSum, W, n, 1, "before the failure");
-    bar.wait();
+  two_ranks_short_deadline(seed, false, [](GpuExecutor& ex, cudaStream_t s, HostBarrier& bar, int r) -> std::string {
+    DevBuf<float> a(2000);
+    std::string bad;
     if (r == 1) {  // alone: times out and aborts rank 0
-      ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
-      try {
-        ex.check(reinterpret_cast<uintptr_t>(s));
-        REQUIRE(false, "rank 1: no timeout raised");
-      } catch (const nvrar::ProtocolError& e) {
-        REQUIRE(e.is_timeout(), "rank 1: " << e.what());
-      }
+      const Raised e = reduce_and_check(ex, a, 2000, s);
+      if (!e.any || e.kind != nvrar::ProtocolError::Kind::kTimeout) bad = "rank 1: no timeout raised: " + e.text;
     }
     bar.wait();
-    std::string bad;  // checked after the last barrier, so that a failed check leaves no PE waiting
     if (r == 0) {  // rank 1's abort is in rank 0's abort cell; nothing is recorded on rank 0's host yet
-      ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
-      try {
-        ex.check(reinterpret_cast<uintptr_t>(s));
-        bad = "rank 0: the call after rank 1's abort raised nothing";
-      } catch (const nvrar::ProtocolError& e) {
-        if (std::string(e.what()).find("aborted by rank 1") == std::string::npos) bad = std::string("rank 0: ") + e.what();
-      }
-      if (bad.empty() && nvrar::emu::host::sticky_error()) bad = "rank 0: the eager call after the abort trapped";
+      const Raised e = reduce_and_check(ex, a, 2000, s);
+      if (!e.any || e.text.find("aborted by rank 1") == std::string::npos)
+        bad = "rank 0: the call after rank 1's abort raised " + (e.any ? e.text : std::string("nothing"));
+      else if (nvrar::emu::host::sticky_error())
+        bad = "rank 0: the eager call after the abort trapped";
     }
-    bar.wait();
-    ex.abandon();  // a peer failed: no collective on it
-    REQUIRE(bad.empty(), bad);
+    return bad;
   });
 }
 
@@ -833,35 +848,22 @@ void run_eager_after_abort(uint64_t seed) {
 // NOTE [call description]) raised with what differed: the rank that caught it names the count,
 // the peer's against its own; the other was aborted by it.
 void run_mismatch_text(uint64_t seed) {
-  const int W = 2;
-  HostBarrier bar(W);
-  std::string texts[W];
-  on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
-    GpuExecutor ex(config(r, W, 1), share_uid(box, r));
-    cudaStream_t s = nullptr;
-    cuda(cudaStreamCreate(&s), "stream");
-    const size_t n = r == 0 ? 100000 : 131409;
+  std::string texts[2];
+  two_ranks_short_deadline(seed, false, [&](GpuExecutor& ex, cudaStream_t s, HostBarrier& bar, int r) -> std::string {
     DevBuf<float> a(131409);
-    fill(a.p, r, n, 1, s);
-    ex.all_reduce(a.addr(), a.addr(), n, DType::kFloat32, RedOp::kSum, Algorithm::kTwoShot, reinterpret_cast<uintptr_t>(s));
-    try {
-      ex.check(reinterpret_cast<uintptr_t>(s));
-      texts[r] = "(nothing raised)";
-    } catch (const nvrar::ProtocolError& e) {
-      texts[r] = e.kind == nvrar::ProtocolError::Kind::kMismatch ? e.what() : std::string("(not a mismatch) ") + e.what();
-    }
+    fill(a.p, r, 131409, 1, s);
+    const Raised e = reduce_and_check(ex, a, r == 0 ? 100000 : 131409, s);
+    texts[r] = !e.any ? "(nothing raised)" : e.kind == nvrar::ProtocolError::Kind::kMismatch ? e.text : "(not a mismatch) " + e.text;
     bar.wait();
-    ex.abandon();  // a failed communicator: no collective on it
-    if (r != 0) return;
+    if (r != 0) return "";
     int named = 0;
-    for (int q = 0; q < W; ++q) {
-      const std::string& t = texts[q];
-      REQUIRE(t.find("call mismatch") != std::string::npos || t.find("aborted by rank") != std::string::npos,
-              "rank " << q << ": " << t);
-      const std::string want = q == 0 ? "count is 0x20151, mine 0x186a0" : "count is 0x186a0, mine 0x20151";
-      named += t.find(want) != std::string::npos ? 1 : 0;
+    for (int q = 0; q < 2; ++q) {
+      if (texts[q].find("call mismatch") == std::string::npos && texts[q].find("aborted by rank") == std::string::npos)
+        return "rank " + std::to_string(q) + ": " + texts[q];
+      named += texts[q].find(q == 0 ? "count is 0x20151, mine 0x186a0" : "count is 0x186a0, mine 0x20151") !=
+               std::string::npos;
     }
-    REQUIRE(named >= 1, "no rank's error names the counts: [" << texts[0] << "] [" << texts[1] << "]");
+    return named >= 1 ? "" : "no rank's error names the counts: [" + texts[0] + "] [" + texts[1] + "]";
   });
 }
 
@@ -872,9 +874,7 @@ void run_abandon_in_flight(uint64_t seed) {
   const int W = 2;
   HostBarrier bar(W);
   on_machine(W, 1, seed, [&](Machine& m, UidBox& box, int r) {
-    GpuConfig c = config(r, W, 1);
-    c.timeout_s = 0.5;
-    GpuExecutor ex(c, share_uid(box, r));
+    GpuExecutor ex(short_deadline(r, W), share_uid(box, r));
     bar.wait();
     uint64_t left = 0;
     if (r == 0) {
