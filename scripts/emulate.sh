@@ -251,7 +251,7 @@ PY
     '<< 32) | static_cast<uint32_t>(origin);' '<< 32);' \
     -- --only "remote abort" --repeat 2
   m call-description-unchecked cuda/device.cuh plain \
-    'return desc_equal(theirs, desc);\n  }\n\n  // Leader only: whether the trailer' 'return true || desc_equal(theirs, desc);\n  }\n\n  // Leader only: whether the trailer' \
+    'return desc_equal(theirs, desc);\n  }\n\n  // What a call mismatch records' 'return true || desc_equal(theirs, desc);\n  }\n\n  // What a call mismatch records' \
     -- --only "1x2 collision" --only "2x2 collision"
   m put-trailer-unchecked cuda/device.cuh plain \
     'if (ok && (inter ? in_wire() && !trailer_matches(cell, v, peer) : !desc_matches(cell))) {' 'if (ok && (inter ? false : !desc_matches(cell))) {' \
