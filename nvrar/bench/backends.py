@@ -63,6 +63,10 @@ class Backend:
     def synchronize(self) -> None:
         """Wait until every call issued so far has completed (GPU backends)."""
 
+    def close(self) -> None:
+        """Release what the backend still holds; every rank calls it, in the same order, before the
+        communicators close (a release may be collective)."""
+
     @property
     def label(self) -> str:
         return f"{self.name}/{self.algorithm}"
@@ -368,10 +372,8 @@ class NvshmemBackend(Backend):
     def alloc(self, count: int, dtype: str) -> Any:
         if self._core is not None:
             # nvshmem4py's collectives take its own tensors only; the previous size's pair is freed
-            # first (collective, in the same order on every rank); the last pair goes with
-            # nvshmem.core.finalize (nvrar's last close, where nvrar initialized it).
-            for t in self._held:
-                self._core.free_tensor(t)
+            # first (collective, in the same order on every rank), the last one by close().
+            self.close()
             self._held = [self._core.tensor((count,), dtype=torch_dtype(dtype)) for _ in range(2)]
             src, dst = self._held
         else:
@@ -380,6 +382,14 @@ class NvshmemBackend(Backend):
         src.zero_()
         dst.zero_()
         return (src, dst)
+
+    def close(self) -> None:
+        """Free the nvshmem4py tensors held (collective): left to NVSHMEM's finalize, every rank
+        printed "Some NVSHMEM Symmetric memory was not freed explicitly" at the end of a run."""
+        if self._core is not None:
+            for t in self._held:
+                self._core.free_tensor(t)
+        self._held = []
 
     def fill(self, buf: Any, values: np.ndarray) -> None:
         import torch

@@ -511,6 +511,8 @@ def run_rank(args: Any, launcher: str, collect: bool = False) -> Any:
             print(f"# wrote {args.plot}", file=out)
         out.flush()
     ctl.barrier()
+    for b in active:
+        b.close()
     comm.close()
     if ctl_comm is not None:
         ctl_comm.close()
