@@ -291,7 +291,7 @@ build() {  # $1: NVRAR_CUDA_UNITS (smoke, rest, all), $2: nvcc processes at once
 # itself installs them from the folder alone (--no-index --dry-run for that interpreter).
 wheels_check() {  # $1: the folder
   "$PY" - "$1" <<'PY' || return 1
-import email.parser, os, re, sys, zipfile
+import email.parser, os, re, subprocess, sys, zipfile
 try:
     from packaging import markers, requirements, tags, utils
 except ImportError:
@@ -333,7 +333,6 @@ if "nvshmem4py-cu13" not in carried:
 print(f"wheels: {len(carried)} carried, {total} bytes ({total / 2**20:.1f} MiB): "
       + ", ".join(f"{k} {v}" for k, v in sorted(carried.items())))
 # What travels with them: the working tree (tracked files and untracked ones git does not ignore).
-import subprocess
 try:
     names = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], capture_output=True,
                            check=True).stdout.decode().split("\0")

@@ -108,10 +108,8 @@ def launch(world: int, task: str, args: Optional[dict] = None, env: Optional[Dic
         if late:
             # Past the deadline: SIGTERM to every rank still running at once (_worker.py has
             # faulthandler print every thread's Python stack on it), SIGKILL after the grace period.
-            for rk in ranks:
-                if rk.p.poll() is None:
-                    how = _stop([rk])[rk.rank]
-                    notes[rk.rank] = f"\n[launch] rank {rk.rank} still running at the {timeout:.0f} s test deadline: stopped ({how})"
+            for r, how in _stop(ranks).items():
+                notes[r] = f"\n[launch] rank {r} still running at the {timeout:.0f} s test deadline: stopped ({how})"
         results = []
         for rk in ranks:
             data = None

@@ -216,12 +216,14 @@ struct GpuTransport {
     uint32_t detail = 0;
     uint64_t got = 0, want = 0;
   };
-  // Leader only, after a mismatch: the first of `n` words at `w` that differs from `mine`.
-  __device__ static Mismatch mismatch_at(uint32_t detail, const uint64_t* w, const uint64_t* mine, int n) {
+  // Leader only, after a mismatch: the first of `n` words at `w` (each masked with `mask`) that
+  // differs from `mine`.
+  __device__ static Mismatch mismatch_at(uint32_t detail, const uint64_t* w, const uint64_t* mine, int n,
+                                         uint64_t mask = ~uint64_t{0}) {
     Mismatch m;
     m.detail = detail | (0xffu << 8);  // (no word differs on a second reading)
     for (int k = 0; k < n; ++k) {
-      const uint64_t got = ld_relaxed_sys(w + k);
+      const uint64_t got = ld_relaxed_sys(w + k) & mask;
       if (got != mine[k]) {
         m.detail = detail | (static_cast<uint32_t>(k) << 8);
         m.got = got;
@@ -589,19 +591,10 @@ struct GpuTransport {
         mm.detail = kMismatchLLFlag;
         if (result == kLLDescMismatched) {
           // The description's 32-bit halves, in packet order (NOTE [gpu call description]).
-          uint64_t mine[kDescPackets];
           const uint64_t d[4] = {desc.count, desc.code, desc.n, desc.shape};
+          uint64_t mine[kDescPackets];
           for (unsigned k = 0; k < kDescPackets; ++k) mine[k] = (k & 1) ? d[k / 2] >> 32 : d[k / 2] & 0xffffffffu;
-          uint64_t got[kDescPackets];
-          for (unsigned k = 0; k < kDescPackets; ++k) got[k] = ld_relaxed_sys(pk + k) & 0xffffffffu;
-          mm.detail = kMismatchLLDesc | (0xffu << 8);
-          for (unsigned k = 0; k < kDescPackets; ++k)
-            if (got[k] != mine[k]) {
-              mm.detail = kMismatchLLDesc | (k << 8);
-              mm.got = got[k];
-              mm.want = mine[k];
-              break;
-            }
+          mm = mismatch_at(kMismatchLLDesc, pk, mine, kDescPackets, 0xffffffffu);
         }
         fail(kMismatchCode, Phase::kInterNode, step, peer, e, e, kp.cfg.where.rank, mm);
       }

@@ -575,7 +575,7 @@ void GpuExecutor::check(uintptr_t stream) {
   // that names no stream), synchronized like any other: skipping it let check() return while a
   // call on it still waited for a peer, so its timeout went unreported.
   const cudaError_t st = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
-  // A kernel that found its communicator failed at entry traps (NOTE [loud after failure],
+  // A graph replay that found its communicator failed at entry traps (NOTE [loud after failure],
   // device.cuh): the recorded failure (host-mapped, readable still) says why, before the CUDA
   // error that the trap left in the context.
   if (st != cudaSuccess) I.raise_recorded();
