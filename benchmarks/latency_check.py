@@ -71,7 +71,7 @@ def _spin_barrier_module() -> Any:
 
 # Per-call counters of nvrar's executor that a measurement reports as (before, after) differences:
 # JSON key -> CpuExecutor property (pairs: [0] staged / plain, [1] cross-memory / streaming).
-COUNTERS = {"ways": "way_calls", "stages": "stage_calls"}
+COUNTERS = {"ways": "way_calls", "stages": "stage_calls", "algorithms": "algorithm_calls"}
 
 
 class Worker:
@@ -154,8 +154,10 @@ class Worker:
         starts = np.empty(iters, np.int64)
         barrier, clock = self.barrier, time.perf_counter_ns
         # nvrar's way for two-shot shards in private memory (staged, cross-memory) and the store kind
-        # of its one-shot stage-ins (plain, streaming; NOTE [streaming stage-in]) over the timed
-        # calls, rank 0's counts (Communicator._ex.way_calls, stage_calls; the old build has none)
+        # of its one-shot stage-ins (plain, streaming; NOTE [streaming stage-in]) and the algorithm
+        # its leader chose for auto calls (two-shot, one-shot; NOTE [one-shot or two-shot]) over the
+        # timed calls, rank 0's counts (Communicator._ex.way_calls, stage_calls, algorithm_calls; the
+        # old build has none)
         counts0 = {key: getattr(self.comm._ex, attr, None) if backend.startswith("nvrar") else None
                    for key, attr in COUNTERS.items()}
         barrier()
@@ -591,7 +593,9 @@ def coordinator(args: argparse.Namespace) -> int:
             for key, what in (("ways", "two-shot shards staged / by cross-memory transfer, timed calls of rank 0 "
                                        "(NOTE [cross-memory or staged])"),
                               ("stages", "one-shot stage-ins with plain / streaming stores, timed calls of rank 0 "
-                                         "(NOTE [streaming stage-in])")):
+                                         "(NOTE [streaming stage-in])"),
+                              ("algorithms", "auto calls sent two-shot / one-shot by the leader's choice, timed "
+                                             "calls of rank 0 (NOTE [one-shot or two-shot])")):
                 text = "; ".join(f"{fmt(r['bytes'])} " + ", ".join(f"{b} {w[0]}/{w[1]}" for b, w in r[key].items())
                                  for r in results["peers"] if r["ranks"] == ranks and r[key])
                 if text:

@@ -176,7 +176,8 @@ PYBIND11_MODULE(_C, m) {
                        size_t oneshot_max_bytes, double timeout_s, double jitter_us, uint64_t jitter_seed, bool cma,
                        size_t cma_min_bytes, size_t cma_piece_bytes, size_t ll_max_bytes, py::bytes secret,
                        size_t hd_min_bytes, const std::string& test_kill_at, bool cma_adapt,
-                       bool cpu_spread, int stream_staging) {
+                       bool cpu_spread, int stream_staging, size_t oneshot_adapt_max_bytes,
+                       bool test_algorithm_flip) {
              if (stream_staging < -1 || stream_staging > 1)
                throw py::value_error("CpuExecutor: stream_staging must be -1 (chosen by call times), 0 or 1, got " +
                                      std::to_string(stream_staging));
@@ -200,13 +201,16 @@ PYBIND11_MODULE(_C, m) {
              c.cma_adapt = cma_adapt;
              c.cpu_spread = cpu_spread;
              c.stream_staging = stream_staging;
+             c.oneshot_adapt_max_bytes = oneshot_adapt_max_bytes;
+             c.test_algorithm_flip = test_algorithm_flip;
              return new CpuExecutor(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("ranks_per_node"), py::arg("max_bytes"),
            py::arg("pool_bytes"), py::arg("oneshot_max_bytes"), py::arg("timeout_s"), py::arg("jitter_us"),
            py::arg("jitter_seed"), py::arg("cma"), py::arg("cma_min_bytes"), py::arg("cma_piece_bytes"),
            py::arg("ll_max_bytes"), py::kw_only(), py::arg("secret"), py::arg("hd_min_bytes"), py::arg("test_kill_at"),
-           py::arg("cma_adapt"), py::arg("cpu_spread"), py::arg("stream_staging"))
+           py::arg("cma_adapt"), py::arg("cpu_spread"), py::arg("stream_staging"),
+           py::arg("oneshot_adapt_max_bytes") = 0, py::arg("test_algorithm_flip") = false)
       .def_property_readonly("segment_name", &CpuExecutor::segment_name)
       .def("attach", &CpuExecutor::attach, py::arg("names"))
       .def(
@@ -273,6 +277,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cpu_moves", &CpuExecutor::cpu_moves)
       .def_property_readonly("way_calls", &CpuExecutor::way_calls)
       .def_property_readonly("stage_calls", &CpuExecutor::stage_calls)
+      .def_property_readonly("algorithm_calls", &CpuExecutor::algorithm_calls)
       .def_property_readonly("streamed_bytes", &CpuExecutor::streamed_bytes)
       .def_property_readonly("failed", &CpuExecutor::failed)
       .def_property_readonly("failure", &CpuExecutor::failure)

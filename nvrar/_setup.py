@@ -212,6 +212,7 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
     those of ranks that died during the set-up go with sweep_dead_segments() (the Communicator
     runs it wherever its set-up failed). ``kill_at``: kill_point()."""
     from . import _C
+    from . import env as _env
 
     if len(secret) != SECRET_BYTES:
         raise NvrarError(f"Communicator: rank 0 sent a session secret of {len(secret)} bytes, "
@@ -240,7 +241,9 @@ def setup_cpu(boot: Any, rank: int, world: int, G: int, st: Settings, secret: by
                     cma_piece_bytes=st.cma_piece_bytes, ll_max_bytes=st.ll_max_bytes, secret=secret,
                     hd_min_bytes=st.hd_min(multi), test_kill_at=kill_at if kill_at in NATIVE_KILL_POINTS else "",
                     cma_adapt=cma_adapt and not multi, cpu_spread=st.cpu_spread,
-                    stream_staging=STREAM_STAGING_CODES[st.stream_staging])
+                    stream_staging=STREAM_STAGING_CODES[st.stream_staging],
+                    oneshot_adapt_max_bytes=0 if multi else st.oneshot_adapt_max(G, world // G),
+                    test_algorithm_flip=(_env.get_int("NVRAR_TEST_ALGORITHM_FLIP") or 0) != 0)
                 created["segment"] = ex.segment_name
                 if multi:
                     dev = route_device(os.environ.get("MASTER_ADDR"))

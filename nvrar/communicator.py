@@ -231,7 +231,8 @@ class Communicator:
         return self._settings
 
     def algorithm_for(self, nbytes: int, algorithm: Optional[str] = None, *, algo: Optional[str] = None) -> str:
-        """The algorithm a call on ``nbytes`` bytes runs ("one-shot" or "two-shot")."""
+        """The algorithm a call on ``nbytes`` bytes runs ("one-shot" or "two-shot"); where the CPU
+        node leader chooses it by call times (NVRAR_ONESHOT_ADAPT_MAX_BYTES), the next such call's."""
         self._check_open("algorithm_for")
         algorithm = _config.algorithm_argument(algorithm, algo, "algorithm_for")
         code = self._algorithm if algorithm is None else selector.algorithm_code(algorithm)

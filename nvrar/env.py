@@ -54,6 +54,23 @@ VARIABLES: Dict[str, EnvVar] = {
             "Must be equal on every rank.",
         ),
         EnvVar(
+            "NVRAR_ONESHOT_ADAPT_MAX_BYTES",
+            "",
+            "CPU executor, one node: auto calls above the one-shot threshold and up to this size take "
+            "the algorithm (one-shot or two-shot) the node's leader measures faster, per message size "
+            "class, the other tried now and then (NOTE [one-shot or two-shot], csrc/cpu/executor.cpp; "
+            "default: nvrar.settings.CPU_ONESHOT_ADAPT_MAX, 1M with 2 ranks per node, else 0; 0 turns it "
+            "off, and so does an explicit NVRAR_ONESHOT_MAX_BYTES unless this is set too). The result is the "
+            "same bits either way. Must be equal on every rank.",
+        ),
+        EnvVar(
+            "NVRAR_TEST_ALGORITHM_FLIP",
+            "0",
+            "Testing: 1 makes each node leader's choice of NVRAR_ONESHOT_ADAPT_MAX_BYTES decide the other "
+            "algorithm after every call, so that the ranks' agreement on it is tried on every call "
+            "(tests/test_hot_path.py).",
+        ),
+        EnvVar(
             "NVRAR_ALGORITHM",
             _defaults.ALGORITHM,
             "Force an algorithm for every call: auto, one-shot or two-shot.",
@@ -301,6 +318,7 @@ def resolve(device: str, *, timeout: Optional[float] = None, max_bytes: Optional
         ranks_per_node=requested,
         algorithm=algorithm,
         oneshot_max_bytes=get_bytes("NVRAR_ONESHOT_MAX_BYTES"),
+        oneshot_adapt_max_bytes=get_bytes("NVRAR_ONESHOT_ADAPT_MAX_BYTES") if cpu else None,
         ll_max_bytes=_defaults.LL_MAX_BYTES[device] if ll is None else ll,
         hd_min_bytes=hd,
         jitter_us=(get_float("NVRAR_JITTER_US") if cpu else None) or _defaults.JITTER_US,

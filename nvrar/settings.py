@@ -19,7 +19,7 @@ from . import _C
 
 __all__ = ["Settings", "check_arguments", "algorithm_code", "algorithm_name", "ALGORITHMS", "ALGORITHM_NAMES", "check_timeout", "size_text", "per_device_text",
            "MAX_BYTES", "HEAP_BYTES", "TIMEOUT_S", "MAX_TIMEOUT_S", "MIN_MAX_BYTES", "ALGORITHM",
-           "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
+           "CPU_ONESHOT_MAX", "CPU_ONESHOT_MAX_DEFAULT", "CPU_ONESHOT_ADAPT_MAX", "GPU_ONESHOT_MAX_SMALL_G", "GPU_ONESHOT_MAX",
            "GPU_ONESHOT_MAX_NODES", "GPU_ONESHOT_MAX_MANY_NODES_LARGE_G",
            "GPU_NATIVE_ABOVE", "GPU_LAUNCH", "GPU_MAX_CHANNELS", "CMA_MIN_BYTES", "CMA_MIN_BYTES_OVERSUBSCRIBED", "cpu_cma_min_bytes", "CMA_PIECE_BYTES", "LL_MAX_BYTES", "HD_MIN_BYTES", "HD_MIN_BYTES_HOSTS", "STREAM_STAGING", "STREAM_STAGING_CODES", "AGREED"]
 
@@ -68,13 +68,24 @@ SECRET_BYTES = 16  # the session secret rank 0 draws at setup (csrc/cpu/executor
 # beside a spinning process 6.85/7.28, 9.99/10.61, 14.54/15.17, 25.85/23.50 (another busy run:
 # 7.09/7.56, 10.40/10.29, 15.14/16.32, 27.00/23.38); with it crossing in about 560 ns, 9.14/17.52,
 # 13.20/20.47, 25.34/34.75, 44.51/55.45. So 256 KB, where the fast state has two-shot 10-14% ahead,
-# stays two-shot. (Before streaming stage-ins the threshold was 32 KB: plain one-shot lost to
+# stays two-shot by this table, and is one of the sizes CPU_ONESHOT_ADAPT_MAX below lets the node
+# leader's timing decide. (Before streaming stage-ins the threshold was 32 KB: plain one-shot lost to
 # two-shot at 64 KB in the slow state, 1.13-1.16x.) Every rank must pick the same algorithm, so the
 # threshold cannot follow one rank's buffers. G = 1 has no intra-node phase, so both variants move
 # the same bytes. Larger G: not measured here (more ranks than cores); 16 KB is a guess between the
 # two costs. `nvrar tune` measures another machine.
 CPU_ONESHOT_MAX: Dict[int, int] = {1: 1 << 20, 2: 128 << 10}
 CPU_ONESHOT_MAX_DEFAULT = 16 << 10
+# NOTE [one-shot or two-shot] (csrc/cpu/executor.cpp): auto calls above CPU_ONESHOT_MAX and up to
+# this size (bytes), in a job of one node, take the algorithm the node's leader measures faster,
+# the other tried now and then. G = 2, the same host and date as above (`stage_in.py algorithms
+# --sizes 128K,256K,512K,1M`, 20:50 UTC, medians of four rounds in us, one-shot / two-shot): a line
+# crossing in 129-140 ns, 256K 19.19/18.08, 512K 36.27/34.03, 1M 67.60/63.75; beside a spinning
+# process with it crossing in 552-557 ns, 31.77/35.28, 58.06/67.82, 116.32/133.07. From 2 MB
+# two-shot's half-size reductions win in both states (docs/results.md). Other G: not measured (0:
+# the table alone). NVRAR_ONESHOT_ADAPT_MAX_BYTES sets it (0: off); an explicit
+# NVRAR_ONESHOT_MAX_BYTES turns it off unless that is set too.
+CPU_ONESHOT_ADAPT_MAX: Dict[int, int] = {2: 1 << 20}
 
 # GPU: one-shot reads G whole messages over NVLink per rank, two-shot 2 messages plus one more
 # synchronization. Untuned defaults (no GPU measurement yet; `nvrar tune` writes measured tables):
@@ -186,6 +197,7 @@ STREAM_STAGING_CODES: Dict[str, int] = {"auto": -1, "0": 0, "1": 1}
 AGREED: Dict[str, str] = {"ranks_per_node": "ranks_per_node", "max_bytes": "max_bytes", "heap_bytes": "heap_bytes",
                           "algorithm": "algorithm", "ll_max_bytes": "NVRAR_LL_MAX_BYTES",
                           "oneshot_max_bytes": "NVRAR_ONESHOT_MAX_BYTES", "hd_min_bytes": "NVRAR_HD_MIN_BYTES",
+                          "oneshot_adapt_max_bytes": "NVRAR_ONESHOT_ADAPT_MAX_BYTES",
                           "channels": "NVRAR_GPU_CHANNELS"}
 
 
@@ -243,6 +255,7 @@ class Settings:
     channels: int = GPU_LAUNCH["channels"]  # NVRAR_GPU_CHANNELS; GPU only (the CPU sends per slice)
     cpu_spread: bool = CPU_SPREAD  # NVRAR_CPU_SPREAD; CPU only
     stream_staging: str = STREAM_STAGING  # NVRAR_STREAM_STAGING; CPU only
+    oneshot_adapt_max_bytes: Optional[int] = None  # NVRAR_ONESHOT_ADAPT_MAX_BYTES; None: oneshot_adapt_max's default
 
     def agreed(self) -> Dict[str, object]:
         """The values that must be equal on every rank (exchanged as JSON at construction)."""
@@ -259,6 +272,18 @@ class Settings:
         cross hosts: NOTE [put-with-signal across hosts], csrc/cpu/host_link.h) and the
         halving-doubling threshold across hosts."""
         return replace(self, ll_max_bytes=0, hd_min_bytes=self.hd_min(True))
+
+    def oneshot_adapt_max(self, ranks_per_node: int, nodes: int = 1) -> int:
+        """Largest message (bytes) whose auto calls above :meth:`oneshot_max` take the algorithm the
+        node leader measures faster (NOTE [one-shot or two-shot], csrc/cpu/executor.cpp); 0: none.
+        CPU, one node only."""
+        if self.device != "cpu" or nodes != 1:
+            return 0
+        if self.oneshot_adapt_max_bytes is not None:
+            return self.oneshot_adapt_max_bytes
+        if self.oneshot_max_bytes is not None:
+            return 0  # an explicit one-shot threshold is obeyed as it was set
+        return CPU_ONESHOT_ADAPT_MAX.get(ranks_per_node, 0)
 
     def oneshot_max(self, ranks_per_node: int, nodes: int = 1) -> int:
         """Largest message (bytes) that the auto policy sends through the one-shot variant, for

@@ -471,6 +471,39 @@ def task_stage_ways(args: dict) -> dict:
     return out
 
 
+def task_algo_ways(args: dict) -> dict:
+    """NOTE [one-shot or two-shot] (csrc/cpu/executor.cpp): auto calls on ordinary arrays of the
+    sizes in args["counts"] in turn (one size class each), back to back (every input made before
+    the first call, every result checked bit for bit against the canonical sum after the last);
+    per call the algorithm the leader's choice gave it (from the counts of algorithm_calls: "one",
+    "two", or "fixed" where no choice was made) and what algorithm_for said before the call."""
+    comm = nvrar.Communicator(timeout=60)
+    ex = comm._ex
+    W, r = comm.world_size, comm.rank
+    counts, calls = args["counts"], args["calls"]
+    xs = [[np.random.default_rng(100 * c + k).standard_normal(n).astype(np.float32) for k in range(W)]
+          for c, n in enumerate(counts)]
+    wants = []
+    for per_rank in xs:
+        want = per_rank[0].copy()
+        for k in range(1, W):
+            want += per_rank[k]  # the canonical order: local ranks 0, 1, ...
+        wants.append(want)
+    bufs = [xs[i % len(counts)][r].copy() for i in range(calls)]
+    took, said = [], []
+    for a in bufs:
+        said.append(comm.algorithm_for(a.nbytes))
+        before = ex.algorithm_calls
+        comm.all_reduce(a)
+        after = ex.algorithm_calls
+        took.append("one" if after[1] > before[1] else "two" if after[0] > before[0] else "fixed")
+    exact = all(np.array_equal(a.view(np.int32), wants[i % len(counts)].view(np.int32)) for i, a in enumerate(bufs))
+    out = {"took": took, "said": said, "exact": exact, "algorithm_calls": list(ex.algorithm_calls),
+           "adapt_max": comm.settings.oneshot_adapt_max(W)}
+    comm.close()
+    return out
+
+
 def task_one_core(args: dict) -> dict:
     """NOTE [sharing a core] (csrc/cpu/executor.cpp): the communicator is made while the ranks may
     run on every core (so it spins before it yields), then every rank moves itself to one core.
@@ -529,7 +562,7 @@ def task_move_apart(args: dict) -> dict:
     return out
 
 
-TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "move_apart": task_move_apart, "crowded": task_crowded, "ways": task_ways, "stage_ways": task_stage_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "move_apart": task_move_apart, "crowded": task_crowded, "ways": task_ways, "stage_ways": task_stage_ways, "algo_ways": task_algo_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
          "closed_peer": task_closed_peer, "stop": task_stop}
 

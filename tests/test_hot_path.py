@@ -379,6 +379,42 @@ def test_one_shot_stage_in_goes_both_ways_and_results_stay_exact():
             assert rep["streamed_bytes"] == (rep["bytes"] * 20 if streamed else 0), (fixed, rep)
 
 
+def test_auto_calls_take_the_leaders_algorithm_on_every_rank_and_stay_exact():
+    """NOTE [one-shot or two-shot] (csrc/cpu/executor.cpp): on one node of 2 ranks, auto calls of
+    256 KB-1 MB (above the one-shot table's 128 KB) take the algorithm the node's leader measures
+    faster, per size class, and it keeps trying the other: both algorithms serve calls, every rank
+    takes the same one call for call (a rank that took the other would fail the call with a
+    mismatch), algorithm_for names it beforehand, and every result is bitwise the canonical sum.
+    With NVRAR_TEST_ALGORITHM_FLIP=1 the leader's decision changes after every call, on 2 and on
+    3 ranks, calls back to back and random delays in them (NVRAR_JITTER_US) (NVRAR_ONESHOT_ADAPT_MAX_BYTES names the range for G = 3, which has none by default):
+    the ranks still agree on every call. NVRAR_ONESHOT_ADAPT_MAX_BYTES=0, or an explicit
+    NVRAR_ONESHOT_MAX_BYTES, turn the choice off: every such call two-shot, none counted."""
+    from _launch import assert_all_ok, launch
+
+    counts = [64 << 10, (128 << 10) + 3, 256 << 10]  # 256 KB, 512 KB + 12 bytes, 1 MB: three classes
+    flip = {"NVRAR_TEST_ALGORITHM_FLIP": "1", "NVRAR_JITTER_US": "30"}  # jitter: a leader that ends its calls late
+    # Flipping, one size class: each call's decision holds for the call after next of the same class.
+    runs = [(2, {}, counts, 150), (2, flip, counts[1:2], 150),
+            (3, {**flip, "NVRAR_ONESHOT_ADAPT_MAX_BYTES": "1M"}, counts[1:2], 90)]
+    for world, env, sizes, calls in runs:
+        reps = assert_all_ok(launch(world, "algo_ways", {"counts": sizes, "calls": calls}, env=env))
+        for rep in reps:
+            assert rep["exact"], (env, rep)
+            assert rep["adapt_max"] == 1 << 20, rep
+            assert "fixed" not in rep["took"] and {"one", "two"} <= set(rep["took"]), (env, rep["took"])
+            assert rep["algorithm_calls"] == [rep["took"].count("two"), rep["took"].count("one")], rep
+            assert rep["said"] == [{"one": "one-shot", "two": "two-shot"}[t] for t in rep["took"]], (env, rep)
+        assert all(rep["took"] == reps[0]["took"] for rep in reps), (env, [rep["took"] for rep in reps])
+        if env:  # the leader decided the other algorithm after every call
+            t = reps[0]["took"]
+            assert sum(a != b for a, b in zip(t, t[1:])) >= len(t) // 3, t
+    for env in ({"NVRAR_ONESHOT_ADAPT_MAX_BYTES": "0"}, {"NVRAR_ONESHOT_MAX_BYTES": "128K"}):
+        for rep in assert_all_ok(launch(2, "algo_ways", {"counts": counts, "calls": 12}, env=env)):
+            assert rep["exact"] and rep["adapt_max"] == 0, (env, rep)
+            assert rep["took"] == ["fixed"] * 12 and rep["algorithm_calls"] == [0, 0], (env, rep)
+            assert set(rep["said"]) == {"two-shot"}, (env, rep)
+
+
 def test_stream_copy_writes_exactly_its_bytes():
     """csrc/cpu/stream_copy.h: memcpy's bytes at every alignment of the destination and every
     length around the 16- and 64-byte steps, nothing before or after them."""

@@ -301,3 +301,27 @@ def test_cross_memory_threshold_by_oversubscription(monkeypatch):
     assert settings.cpu_cma_min_bytes(st, 4, 2, True) == st.cma_min_bytes
     monkeypatch.setenv("NVRAR_CMA_MIN_BYTES", "64")
     assert settings.cpu_cma_min_bytes(env.resolve("cpu"), 8, 2, True) == 64
+
+
+def test_oneshot_adapt_range_by_layout_and_variables(monkeypatch):
+    """NOTE [one-shot or two-shot]: the leader's choice covers 2 ranks on one node up to 1 MB by
+    default; none with other G, several nodes or the GPU; NVRAR_ONESHOT_ADAPT_MAX_BYTES sets it (0
+    off), and an explicit NVRAR_ONESHOT_MAX_BYTES turns it off unless that is set too. It is one
+    of the values every rank must agree on."""
+    for name in ("NVRAR_ONESHOT_ADAPT_MAX_BYTES", "NVRAR_ONESHOT_MAX_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    st = env.resolve("cpu")
+    assert st.oneshot_adapt_max(2) == settings.CPU_ONESHOT_ADAPT_MAX[2] == 1 << 20
+    assert st.oneshot_adapt_max(2) > st.oneshot_max(2)
+    assert st.oneshot_adapt_max(4) == 0 and st.oneshot_adapt_max(2, nodes=2) == 0
+    assert env.resolve("cuda").oneshot_adapt_max(2) == 0
+    monkeypatch.setenv("NVRAR_ONESHOT_MAX_BYTES", "64K")
+    assert env.resolve("cpu").oneshot_adapt_max(2) == 0
+    monkeypatch.setenv("NVRAR_ONESHOT_ADAPT_MAX_BYTES", "512K")
+    st = env.resolve("cpu")
+    assert st.oneshot_adapt_max(2) == 512 << 10 and st.oneshot_adapt_max(4) == 512 << 10
+    assert st.oneshot_adapt_max(4, nodes=2) == 0
+    monkeypatch.setenv("NVRAR_ONESHOT_ADAPT_MAX_BYTES", "0")
+    assert env.resolve("cpu").oneshot_adapt_max(2) == 0
+    assert settings.AGREED["oneshot_adapt_max_bytes"] == "NVRAR_ONESHOT_ADAPT_MAX_BYTES"
+    assert env.VARIABLES["NVRAR_TEST_ALGORITHM_FLIP"].meaning.startswith("Testing:")

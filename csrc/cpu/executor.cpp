@@ -44,7 +44,8 @@ uint64_t fork_generation() {
 
 uint64_t config_hash(const CpuConfig& c, const SegmentLayout& L) {
   uint64_t fields[] = {kVersion, static_cast<uint64_t>(c.world), static_cast<uint64_t>(c.ranks_per_node),
-                       c.max_bytes, c.oneshot_max_bytes, L.total_bytes, L.pool_bytes, L.zone_bytes, c.ll_max_bytes};
+                       c.max_bytes, c.oneshot_max_bytes, L.total_bytes, L.pool_bytes, L.zone_bytes, c.ll_max_bytes,
+                       c.oneshot_adapt_max_bytes};
   uint64_t h = 1469598103934665603ull;
   for (uint64_t v : fields) {
     h ^= v;
@@ -313,7 +314,47 @@ bool CpuExecutor::probe_cma() const {
 }
 
 Algorithm CpuExecutor::resolve(Algorithm a, size_t bytes) const {
-  return resolve_algorithm(a, bytes, cfg_.oneshot_max_bytes);
+  // A kAuto call that NOTE [one-shot or two-shot] decides: the algorithm of the next such call.
+  int cls = -1;
+  const Algorithm chosen = a == Algorithm::kAuto ? chosen_algorithm(bytes, calls_.load(std::memory_order_relaxed), &cls)
+                                                 : a;
+  return resolve_algorithm(chosen, bytes, cfg_.oneshot_max_bytes);
+}
+
+// NOTE [one-shot or two-shot]
+// Between the one-shot limit (nvrar.settings.CPU_ONESHOT_MAX) and oneshot_adapt_max_bytes, which
+// algorithm is faster depends on the host's state, as the store kind of a stage-in does (NOTE
+// [streaming stage-in]). On the 2-core AMD EPYC KVM guest (2026-12-04 20:50 UTC, `mpirun -n 2
+// --oversubscribe python benchmarks/stage_in.py algorithms --sizes 128K,256K,512K,1M --rounds 4
+// --calls 100`, 2 ranks, cold, medians of four rounds in us, one-shot / two-shot): where a cache
+// line crossed between the CPUs in 129-140 ns, 19.19 / 18.08 at 256 KB, 36.27 / 34.03 at 512 KB,
+// 67.60 / 63.75 at 1 MB; with --busy, where it took 552-557 ns, 31.77 / 35.28, 58.06 / 67.82 and
+// 116.32 / 133.07. A two-shot call moves the same bytes across the cores as a one-shot one (half
+// the message each way in each of its two steps, against the whole message once) but waits twice
+// and reads its partner's data from that core's cache both times; a one-shot stage-in may stream
+// to memory, which the partner reads faster than a line from the other core in the slow state.
+// So, in a job of one node (the nodes' leaders would time apart and the ranks of different nodes
+// must agree), the node's leader times its kAuto calls of each message size class both ways and
+// publishes the faster in its header (algo_plan, way_word: 1 one-shot, 0 two-shot) for calls
+// from two calls on, as for the ways of NOTE [cross-memory or staged] (way_choice.h: the other
+// algorithm tried now and then). Unlike a way, the algorithm must be the same on every rank: the
+// plan word gives call j + 1 the same algorithm whether a rank reads the word the leader left
+// after call j - 1 or after call j, and no rank reads it later than the leader's flags of call j +
+// 1 allow (segment.h, way_word); a rank that took the other would fail the call with a mismatch
+// (its call description names the algorithm), never mix the two. Both algorithms reduce in the
+// same canonical order, so the result is the same bits (tests/test_determinism.py).
+// NVRAR_ONESHOT_ADAPT_MAX_BYTES=0, or an explicit NVRAR_ONESHOT_MAX_BYTES, turns the choice off.
+Algorithm CpuExecutor::chosen_algorithm(size_t bytes, uint64_t call, int* cls) const {
+  *cls = -1;
+  if (cfg_.oneshot_adapt_max_bytes == 0 || cfg_.world < 2 || where_.N != 1 || !heap_.attached() ||
+      bytes <= cfg_.oneshot_max_bytes || bytes > cfg_.oneshot_adapt_max_bytes)
+    return Algorithm::kAuto;
+  int c = 0;
+  while (c < kAlgoPlanClasses - 1 && (size_t{2} << c) <= bytes) ++c;
+  *cls = c;
+  const auto* lh = reinterpret_cast<const SegmentHeader*>(heap_.base(where_.rank_of(where_.node, 0)));
+  return way_of(__atomic_load_n(&lh->algo_plan[c], __ATOMIC_RELAXED), call) == 1 ? Algorithm::kOneShot
+                                                                                 : Algorithm::kTwoShot;
 }
 
 void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, Algorithm algorithm,
@@ -333,11 +374,19 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   if (count == 0) return;
   const PhaseTimer call_timer(phase_timing_, &times_.call_ns);
   times_.calls += phase_timing_ ? 1 : 0;
-  const PlanKey key{in, out, count, dtype, op, algorithm};
+  // NOTE [one-shot or two-shot]: a kAuto call in the leader's range runs the algorithm its plan word
+  // gives this call (explicit from here on; kAuto where the choice does not apply).
+  int algo_cls = -1;
+  Algorithm run = algorithm;
+  if (algorithm == Algorithm::kAuto && cfg_.oneshot_adapt_max_bytes > 0 && is_dtype(dtype) &&
+      count <= SIZE_MAX / static_cast<size_t>(dtype_size(dtype)))
+    run = chosen_algorithm(count * static_cast<size_t>(dtype_size(dtype)), calls_.load(std::memory_order_relaxed),
+                           &algo_cls);
+  const PlanKey key{in, out, count, dtype, op, run};
   if (!(key == last_key_) || last_fn_ == nullptr) {
     last_fn_ = nullptr;  // a plan_call that throws leaves no half-made entry
     last_plan_ = plan_call(limits_, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out), count, dtype,
-                           op, algorithm);
+                           op, run);
     last_fn_ = cpu_reduce_fn(dtype, op);
     last_key_ = key;
   }
@@ -385,7 +434,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   // staged, nvrar.settings.cpu_cma_min_bytes); there too the better way changes with the host's
   // regime: 4 ranks, 2 cores, 1 MB cold, same host 2026-12-03 20:20 UTC, medians of two runs each:
   // cross-memory 405-412 us, staged 183-187, chosen 193-221.
-  const uint64_t call_no = calls_++;
+  const uint64_t call_no = calls_.fetch_add(1, std::memory_order_relaxed);
   const size_t G = static_cast<size_t>(where_.G);
   const size_t shard = std::min(c.chunk_elems, count) * c.es / G;
   const bool adapt = cfg_.cma_adapt && cma_enabled() && c.algorithm == Algorithm::kTwoShot && G > 1 &&
@@ -411,13 +460,18 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   WayChoice* ws = nullptr;
   uint64_t* plan = nullptr;
   int way = 1;
-  std::chrono::steady_clock::time_point t0;
+  const int leader = where_.rank_of(where_.node, 0);
+  auto* lh = reinterpret_cast<SegmentHeader*>(heap_.base(leader));
+  WayChoice* wa = nullptr;  // NOTE [one-shot or two-shot], the leader's
+  const int algo_way = c.algorithm == Algorithm::kOneShot ? 1 : 0;
+  if (algo_cls >= 0) {
+    algo_calls_[algo_way].fetch_add(1, std::memory_order_relaxed);
+    if (leader == where_.rank) wa = &algo_ways_[algo_cls];
+  }
   if (adapt || (stage_choice && cfg_.stream_staging < 0)) {
     const size_t sized = adapt ? shard : c.bytes;
     int cls = 0;
     while (cls < 63 && (size_t{2} << cls) <= sized) ++cls;
-    const int leader = where_.rank_of(where_.node, 0);
-    auto* lh = reinterpret_cast<SegmentHeader*>(heap_.base(leader));
     uint64_t* plans = adapt ? lh->way_plan : lh->stage_plan;
     way = way_of(__atomic_load_n(&plans[cls], __ATOMIC_RELAXED), call_no);
     if (adapt) {
@@ -430,7 +484,6 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
     if (leader == where_.rank) {
       ws = adapt ? &ways_[cls] : &stage_ways_[cls];
       plan = &plans[cls];
-      t0 = std::chrono::steady_clock::now();
     }
   } else if (stage_choice) {
     stream_ = cfg_.stream_staging == 1;
@@ -444,17 +497,25 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
       *stream = false;
     }
   } restore{&round_cfg_, cma_enabled(), &stream_};
+  const auto t0 = ws != nullptr || wa != nullptr ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   for (size_t off = 0; off < count; off += c.chunk_elems) {
     const size_t n = std::min(c.chunk_elems, count - off);
     round(pin + off * c.es, pout + off * c.es, n, c.es, c.in_pool, c.out_pool, c.algorithm, c.sig, fn, c.sc);
   }
-  if (ws != nullptr) {
-    const double ns = static_cast<double>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-    const int next = ws->after_call(way, ns / static_cast<double>(c.bytes));  // way_choice.h
-    const uint64_t old = __atomic_load_n(plan, __ATOMIC_RELAXED);
+  if (ws == nullptr && wa == nullptr) return;
+  const double ns_per_byte =
+      static_cast<double>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()) /
+      static_cast<double>(c.bytes);
+  const auto publish = [call_no](uint64_t* cell, int next) {
+    const uint64_t old = __atomic_load_n(cell, __ATOMIC_RELAXED);
     const uint64_t word = next_way_word(old, call_no, next);  // segment.h: stored only when it changes
-    if (word != old) __atomic_store_n(plan, word, __ATOMIC_RELAXED);
+    if (word != old) __atomic_store_n(cell, word, __ATOMIC_RELAXED);
+  };
+  if (ws != nullptr) publish(plan, ws->after_call(way, ns_per_byte));  // way_choice.h
+  if (wa != nullptr) {
+    const int next = wa->after_call(algo_way, ns_per_byte);
+    publish(&lh->algo_plan[algo_cls], cfg_.test_algorithm_flip ? 1 - algo_way : next);
   }
 }
 

@@ -36,6 +36,9 @@ struct CpuConfig {
   size_t max_bytes = 0;          // largest chunk one round reduces (bytes)
   size_t pool_bytes = 0;         // zero-copy pool for Communicator.empty (bytes)
   size_t oneshot_max_bytes = 0;  // kAuto picks one-shot up to this size (bytes)
+  size_t oneshot_adapt_max_bytes = 0;  // NOTE [one-shot or two-shot]: kAuto calls above oneshot_max_bytes and
+                                       // up to this size, in a job of one node, take the algorithm the node
+                                       // leader finds faster by measured call times (0: never)
   double timeout_s = 0;          // deadline of every wait (seconds)
   double jitter_us = 0;          // > 0: random delays up to this long (testing)
   uint64_t jitter_seed = 0;
@@ -50,6 +53,8 @@ struct CpuConfig {
   size_t hd_min_bytes = 0;       // inter-node shards from this size use halving-doubling (0: never)
   std::string secret;            // kSecretBytes drawn by rank 0, the same on every rank
   std::string test_kill_at;      // testing: the NVRAR_TEST_KILL_AT point (test_kill_point), or ""
+  bool test_algorithm_flip = false;  // testing: NOTE [one-shot or two-shot]'s leader decides the other
+                                     // algorithm after every call (NVRAR_TEST_ALGORITHM_FLIP)
 };
 
 // The caller's hooks into a call's waits. `check` (may be null) is polled about every 50 ms so
@@ -135,7 +140,8 @@ class CpuExecutor {
   void all_reduce_add_rms_norm(void* x, void* residual, const void* weight, size_t rows, size_t h, DType dtype,
                                float eps, Algorithm variant);
 
-  // The variant kAuto resolves to for a message of `bytes`.
+  // The variant kAuto resolves to for a message of `bytes` (where NOTE [one-shot or two-shot] decides,
+  // the one the next such call takes).
   Algorithm resolve(Algorithm v, size_t bytes) const;
 
   char* pool_base() const { return heap_.mine() + layout_.pool_off; }
@@ -152,6 +158,11 @@ class CpuExecutor {
   // [streaming stage-in]'s choice, since construction (calls it did not decide are not counted).
   std::pair<uint64_t, uint64_t> stage_calls() const {
     return {stage_calls_[0].load(std::memory_order_relaxed), stage_calls_[1].load(std::memory_order_relaxed)};
+  }
+  // kAuto calls that NOTE [one-shot or two-shot]'s choice sent two-shot ([0]) or one-shot ([1]),
+  // since construction (calls it did not decide are not counted).
+  std::pair<uint64_t, uint64_t> algorithm_calls() const {
+    return {algo_calls_[0].load(std::memory_order_relaxed), algo_calls_[1].load(std::memory_order_relaxed)};
   }
   // Bytes staged with streaming stores since construction.
   uint64_t streamed_bytes() const { return streamed_bytes_.load(std::memory_order_relaxed); }
@@ -217,6 +228,9 @@ class CpuExecutor {
     if (shared_waits_ >= kSpreadAfter) spread_if_sharing();
   }
   void spread_if_sharing();
+  // NOTE [one-shot or two-shot] (executor.cpp): the algorithm of kAuto call number `call` on `bytes`
+  // bytes, and its size class in *cls; kAuto (and -1) where the leader's choice does not apply.
+  Algorithm chosen_algorithm(size_t bytes, uint64_t call, int* cls) const;
   static constexpr uint32_t kSpreadAfter = 16;  // waits in a row that found the peer on my CPU
   bool peer_alive(int peer) const;
   // Across hosts: the abort records just stored into the images of remote ranks' cells, sent.
@@ -256,6 +270,7 @@ class CpuExecutor {
   std::atomic<uint64_t> spreads_{0};        // moves made (stats; read by other threads)
   std::atomic<uint64_t> way_calls_[2] = {};  // calls per way (stats; read by other threads)
   std::atomic<uint64_t> stage_calls_[2] = {};  // one-shot calls per store kind (stats; read by other threads)
+  std::atomic<uint64_t> algo_calls_[2] = {};   // kAuto calls per chosen algorithm (stats; read by other threads)
   std::atomic<uint64_t> streamed_bytes_{0};  // bytes staged with streaming stores (stats)
   bool stream_ = false;                     // this call's stage-in uses streaming stores (NOTE [streaming stage-in])
   std::vector<const char*> srcs_;           // reduce sources, one per local rank (no per-call allocation)
@@ -275,7 +290,11 @@ class CpuExecutor {
   WayChoice ways_[64];
   // NOTE [streaming stage-in] (executor.cpp): the choice per size class (log2 of the message).
   WayChoice stage_ways_[64];
-  uint64_t calls_ = 0;  // all_reduce calls made (with data, world > 1): the same count on every rank
+  // NOTE [one-shot or two-shot] (executor.cpp): the choice per message size class, a node leader's.
+  WayChoice algo_ways_[kAlgoPlanClasses];
+  // all_reduce calls made (with data, world > 1): the same count on every rank. Atomic for resolve(),
+  // which another thread may call during a call.
+  std::atomic<uint64_t> calls_{0};
   bool cma_on_ = false;                     // cross-memory access enabled (enable_cma)
   uint64_t born_fork_gen_ = 0;              // fork generation of the creating process (executor.cpp)
   // The plan of the last call, reused while the next call has the same arguments (it depends on

@@ -15,8 +15,9 @@ namespace nvrar {
 
 constexpr size_t kSecretBytes = 16;  // the session secret every segment header carries
 constexpr uint64_t kMagic = 0x314741455352564eull;  // "NVRSEAG1", little-endian
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kCellStride = 64;                   // one cache line per flag cell
+constexpr int kAlgoPlanClasses = 32;                 // message size classes (log2 bytes) of SegmentHeader::algo_plan
 
 // Host-side header at the start of every segment (page 0). Written by its owner at creation;
 // the call fields are rewritten (relaxed) at the start of every call, before its first flag.
@@ -47,6 +48,8 @@ struct SegmentHeader {
                           // other ranks (NOTE [cross-memory or staged], executor.cpp; way_word)
   uint64_t stage_plan[64];  // the same for one-shot stage-ins per message size class: 1 streaming
                             // stores, 0 plain (NOTE [streaming stage-in], executor.cpp)
+  uint64_t algo_plan[kAlgoPlanClasses];  // the same for kAuto calls per message size class: 1 one-shot,
+                                         // 0 two-shot (NOTE [one-shot or two-shot], executor.cpp)
   // NOTE [sharing a core] (executor.cpp): a line of their own, written rarely.
   alignas(64) uint32_t cpu;  // 1 + the CPU the owner last ran on while waiting (0: not known yet)
 };
