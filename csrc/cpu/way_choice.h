@@ -1,7 +1,9 @@
 // NOTE [cross-memory or staged] (executor.cpp): the node leader's choice between the two ways of
 // moving a private two-shot shard (staged through the segment, or cross-memory transfers), one
-// per shard size class, from the times of the calls it made. Pure arithmetic on call times, so
-// that the policy is tested on made-up times (nvrar._C.way_choice_trace) as well as on real calls.
+// per shard size class, from the times of the calls it made; the same for the store kind of a
+// one-shot stage-in (NOTE [streaming stage-in]) and the algorithm of an auto call (NOTE [one-shot
+// or two-shot]). Pure arithmetic on call times, so that the policy is tested on made-up times
+// (nvrar._C.way_choice_trace) as well as on real calls.
 #pragma once
 
 #include <algorithm>
@@ -15,68 +17,73 @@ constexpr uint32_t kWayProbeEvery = 32;  // the 32nd decision after the faster w
 constexpr uint32_t kWayProbeMax = 128;   // ... and the gap doubles after every trial, up to 128 decisions
 constexpr uint32_t kWayTrial = 4;        // ... for this many calls in a row
 constexpr uint32_t kWaySettle = 2;       // ... of which the first two are not timed
-constexpr double kWayWeight = 0.25;      // each later timed call moves its way's average a quarter of the way
-constexpr double kWayOutlier = 1.5;      // ... but one this many times the average is not counted,
-constexpr uint32_t kWaySlowRun = 3;      // ... unless this many come in a row
+constexpr uint32_t kWayWindow = 8;       // a way's time: the least of its last this many timed calls
 
 struct WayChoice {
-  double ns_per_byte[2] = {0, 0};  // [0] staged, [1] cross-memory
-  int last = -1;                   // the way of the last call of this class
-  uint32_t streak = 0;             // calls in a row that took it (the first kWaySettle are not averaged)
-  int best = -1;                   // the faster way by the averages at the last decision
-  uint32_t since = 0;              // decisions since the last trial began (or the faster way changed)
-  uint32_t probe_every = 0;        // decisions from then to the next trial (set with `best`)
-  uint32_t trial = 0;              // decisions left in a trial of the other way
-  int trial_way = 0;               // the way on trial (fixed when the trial starts)
-  uint32_t slow_in_row = 0;        // timed calls in a row slower than kWayOutlier times the average
+  double recent[2][kWayWindow] = {};  // [0] staged, [1] cross-memory: ns per byte of timed calls (a ring)
+  uint32_t filled[2] = {0, 0};        // how many of them hold a time of the way's current streak or later
+  uint32_t head[2] = {0, 0};          // where its next time goes
+  int last = -1;                      // the way of the last call of this class
+  uint32_t streak = 0;                // calls in a row that took it (the first kWaySettle are not timed)
+  int best = -1;                      // the faster way at the last decision
+  uint32_t since = 0;                 // decisions since the last trial began (or the faster way changed)
+  uint32_t probe_every = 0;           // decisions from then to the next trial (set with `best`)
+  uint32_t trial = 0;                 // decisions left in a trial of the other way
+  int trial_way = 0;                  // the way on trial (fixed when the trial starts)
+
+  // A way's time: the least of its last kWayWindow timed calls (0: none yet). A call's time is
+  // what the call costs plus whatever else held the core or the line meanwhile (a time slice lost
+  // to another process, a peer that arrived late), never less: so the least of a few recent calls
+  // is what the way costs now. Beside a busy process (2-core AMD EPYC KVM guest, 2026-12-04, the
+  // leader's own times of its calls in a latency_check --busy run, 8-256 KB) half of a way's calls
+  // took 1.15-2.7 times the 10th percentile of its times, a tenth of them 1.4-28 times; a moving
+  // average of every call (as here until 2026-12-04: each timed call moved it a quarter of the
+  // way, calls over 1.5 times it skipped unless three came in a row) took the slower way for 24%
+  // of the calls where the ways were 1.3 times apart and 39% where 1.1 times, made-up calls of
+  // which 40% took up to 6 times as long (20 seeded runs of 3,000 calls; tests/test_plan.py);
+  // the least of eight, 9% and 14%.
+  double time_of(int way) const {
+    double t = 0;
+    for (uint32_t k = 0; k < filled[way]; ++k)
+      if (t == 0 || recent[way][k] < t) t = recent[way][k];
+    return t;
+  }
 
   // After a call of this class that went `way` and took x ns per byte: the way of the calls from
   // two calls on (the leader publishes it with way_word; segment.h).
   int after_call(int way, double x) {
-    // A way's first calls in a row are not averaged: the first meet the page faults of slots not
+    // A way's first calls in a row are not timed: the first meet the page faults of slots not
     // touched before, and later ones still pay for the caches the other way left (2-core AMD
     // EPYC KVM guest, 2026-12-03: a staged 1 MB call took 850-1150 us the first two times,
     // 160-190 us right after cross-memory calls, 100-120 us from the third in a row). So the
     // other way is tried kWayTrial calls in a row, and only calls from the (kWaySettle + 1)-th in
-    // a row count. The first counted call of a streak replaces its way's average (at most twice
-    // it: a slower one lost a time slice to another process) instead of moving it: that
-    // average is as old as the last trial, and the host may have
-    // changed since (same host, 2026-12-04, 2 ranks, cold, medians of 320 calls: the staged way
-    // took 7.3 us a 64 KB call in one minute and 20.5 in another, cross-memory 11.6 and 14.1);
-    // moved a quarter of the way per timed call, a stale 20.5 took three trials to fall under 11.6.
+    // a row count. The first counted call of a streak drops the way's older times: they are as
+    // old as its last streak, and the host may have changed since (same host, 2026-12-04, 2
+    // ranks, cold, medians of 320 calls: the staged way took 7.3 us a 64 KB call in one minute
+    // and 20.5 in another, cross-memory 11.6 and 14.1). A way that slows down while it is taken
+    // is left once all of its last kWayWindow calls are slower than the other's time.
     streak = way == last ? streak + 1 : 1;
     last = way;
-    double& avg = ns_per_byte[way];
-    if (streak == 1) slow_in_row = 0;
-    if (streak == kWaySettle + 1) {
-      avg = avg == 0 ? x : std::min(x, 2 * avg);
-    } else if (streak > kWaySettle) {
-      // A call more than kWayOutlier times the average is not counted unless kWaySlowRun of them
-      // come in a row (then the way did slow down, and the last of them is its average): beside
-      // a busy process a call now and then loses a time slice, and counted at twice the average
-      // each moved the average up by a quarter, so that two of them close together could make
-      // the slower way look the faster (3% of the calls 50 times slower, 20 made-up runs of 3,000
-      // calls, nvrar._C.way_choice_trace: with the other way 1.45 times as slow, 5.5% of the
-      // calls on it; 1.1 times as slow, 32.5%; so, 4.0% both, against 3.2% with no slow calls).
-      if (x > kWayOutlier * avg && ++slow_in_row < kWaySlowRun) return decide();
-      avg = slow_in_row >= kWaySlowRun ? x : avg + (x - avg) * kWayWeight;
-      slow_in_row = 0;
+    if (streak == kWaySettle + 1) filled[way] = head[way] = 0;
+    if (streak > kWaySettle) {
+      recent[way][head[way]] = x;
+      head[way] = (head[way] + 1) % kWayWindow;
+      if (filled[way] < kWayWindow) ++filled[way];
     }
     return decide();
   }
 
  private:
   int decide() {
-    // One not yet averaged, else the faster, and now and then a trial of the other one
+    // One not yet timed, else the faster, and now and then a trial of the other one
     // (kWayTrial decisions of the way that was the other when the trial began, whatever its timed
-    // calls do to the averages meanwhile). The first trial comes kWayProbeEvery decisions after
-    // the faster way changed, and each later one twice as far after the one before, up to
-    // kWayProbeMax: every trial is kWayTrial calls of the slower way (a 64 KB call 1.6 times as
-    // slow, as above), and with a trial every 32 decisions they were 10.5% of the calls (339 of
-    // the 3,224 timed 64 KB-16 MB calls of one latency_check run). A way that slows down is seen
-    // within kWaySlowRun calls (it is the one timed); one that speeds up while not taken waits
-    // for the next trial.
-    const double* a = ns_per_byte;
+    // calls do meanwhile). The first trial comes kWayProbeEvery decisions after the faster way
+    // changed, and each later one twice as far after the one before, up to kWayProbeMax: every
+    // trial is kWayTrial calls of the slower way (a 64 KB call 1.6 times as slow, as above), and
+    // with a trial every 32 decisions they were 10.5% of the calls (339 of the 3,224 timed 64
+    // KB-16 MB calls of one latency_check run). A way that slows down is seen within kWayWindow
+    // calls (it is the one timed); one that speeds up while not taken waits for the next trial.
+    const double a[2] = {time_of(0), time_of(1)};
     int next = a[0] == 0 ? 0 : a[1] == 0 ? 1 : a[0] <= a[1] ? 0 : 1;
     if (a[0] != 0 && a[1] != 0) {
       if (next != best) {  // the faster way changed: trials at the first rate again
