@@ -342,7 +342,9 @@ Algorithm CpuExecutor::resolve(Algorithm a, size_t bytes) const {
 // after call j - 1 or after call j, and no rank reads it later than the leader's flags of call j +
 // 1 allow (segment.h, way_word); a rank that took the other would fail the call with a mismatch
 // (its call description names the algorithm), never mix the two. Both algorithms reduce in the
-// same canonical order, so the result is the same bits (tests/test_determinism.py).
+// same canonical order, so the result is the same bits (tests/test_determinism.py). A fused kAuto
+// call of such a size (fused.cpp, through resolve) is not timed: it takes the algorithm the word
+// gives the next all_reduce call, the same on every rank by the same argument.
 // NVRAR_ONESHOT_ADAPT_MAX_BYTES=0, or an explicit NVRAR_ONESHOT_MAX_BYTES, turns the choice off.
 Algorithm CpuExecutor::chosen_algorithm(size_t bytes, uint64_t call, int* cls) const {
   *cls = -1;
