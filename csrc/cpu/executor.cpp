@@ -351,8 +351,7 @@ Algorithm CpuExecutor::chosen_algorithm(size_t bytes, uint64_t call, int* cls) c
   if (cfg_.oneshot_adapt_max_bytes == 0 || cfg_.world < 2 || where_.N != 1 || !heap_.attached() ||
       bytes <= cfg_.oneshot_max_bytes || bytes > cfg_.oneshot_adapt_max_bytes)
     return Algorithm::kAuto;
-  int c = 0;
-  while (c < kAlgoPlanClasses - 1 && (size_t{2} << c) <= bytes) ++c;
+  const int c = size_class(bytes, kAlgoPlanClasses);
   *cls = c;
   const auto* lh = reinterpret_cast<const SegmentHeader*>(heap_.base(where_.rank_of(where_.node, 0)));
   return way_of(__atomic_load_n(&lh->algo_plan[c], __ATOMIC_RELAXED), call) == 1 ? Algorithm::kOneShot
@@ -472,8 +471,7 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
   }
   if (adapt || (stage_choice && cfg_.stream_staging < 0)) {
     const size_t sized = adapt ? shard : c.bytes;
-    int cls = 0;
-    while (cls < 63 && (size_t{2} << cls) <= sized) ++cls;
+    const int cls = size_class(sized, 64);  // ways_ and stage_ways_, way_plan and stage_plan
     uint64_t* plans = adapt ? lh->way_plan : lh->stage_plan;
     way = way_of(__atomic_load_n(&plans[cls], __ATOMIC_RELAXED), call_no);
     if (adapt) {

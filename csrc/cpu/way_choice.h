@@ -19,6 +19,14 @@ constexpr uint32_t kWayTrial = 4;        // ... for this many calls in a row
 constexpr uint32_t kWaySettle = 2;       // ... of which the first two are not timed
 constexpr uint32_t kWayWindow = 8;       // a way's time: the least of its last this many timed calls
 
+// The size class of a choice (each class has its own WayChoice and plan word): floor(log2(bytes)),
+// at most classes - 1.
+inline int size_class(size_t bytes, int classes) {
+  int c = 0;
+  while (c < classes - 1 && (size_t{2} << c) <= bytes) ++c;
+  return c;
+}
+
 struct WayChoice {
   double recent[2][kWayWindow] = {};  // [0] staged, [1] cross-memory: ns per byte of timed calls (a ring)
   uint32_t filled[2] = {0, 0};        // how many of them hold a time of the way's current streak or later
