@@ -349,13 +349,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("inter_final_slot", [](int N, int node) { return InterSchedule::make(N, node).final_slot(); });
   m.def("inter_num_slots", [](int N) { return InterSchedule::num_slots_for(N); });
   // NOTE [cross-memory or staged]: the ways the executor's choice gives a run of calls of one
-  // size class whose call j takes times[j] = (staged, cross-memory) ns per byte (way_choice.h).
-  m.def("way_choice_trace", [](const std::vector<std::pair<double, double>>& times) {
-    std::vector<int> out(times.size());
-    way_choice_trace([&](uint64_t j, int way) { return way == 0 ? times[j].first : times[j].second; }, out.data(),
-                     out.size());
-    return out;
-  });
+  // size class whose call j takes times[j] = (staged, cross-memory) ns per byte and ends at
+  // ends_ns[j] (way_choice.h; none: call j ends at j us, calls close enough that no time is stale).
+  m.def(
+      "way_choice_trace",
+      [](const std::vector<std::pair<double, double>>& times, const std::vector<double>& ends_ns) {
+        NVRAR_CHECK(ends_ns.empty() || ends_ns.size() == times.size(), "way_choice_trace: ", ends_ns.size(),
+                    " end times for ", times.size(), " calls");
+        std::vector<int> out(times.size());
+        way_choice_trace([&](uint64_t j, int way) { return way == 0 ? times[j].first : times[j].second; },
+                         [&](uint64_t j) { return ends_ns.empty() ? 1e3 * static_cast<double>(j) : ends_ns[j]; },
+                         out.data(), out.size());
+        return out;
+      },
+      py::arg("times"), py::arg("ends_ns") = std::vector<double>{});
   // A mark of the host's state for benchmark records (line_probe.h): ns per cache-line round trip
   // between two CPUs, one figure per rep (each the mean of `trips` round trips).
   m.def("line_round_trip_ns",

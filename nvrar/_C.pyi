@@ -83,7 +83,7 @@ def cpu_all_reduce(executor: CpuExecutor, in_ptr: int, out_ptr: int, count: int,
                    algorithm: int) -> None: ...  # CpuExecutor.all_reduce without pybind11's dispatch
 STREAM_STORES: bool  # stream_copy uses streaming stores on this architecture
 def stream_copy_into(src: bytes, offset: int) -> bytes: ...  # test of csrc/cpu/stream_copy.h
-def way_choice_trace(times: List[Tuple[float, float]]) -> List[int]: ...  # NOTE [cross-memory or staged]
+def way_choice_trace(times: List[Tuple[float, float]], ends_ns: List[float] = ...) -> List[int]: ...  # NOTE [cross-memory or staged]
 def segment_layout(ranks_per_node: int, num_nodes: int, max_bytes: int, min_zone_bytes: int, pool_bytes: int,
                    cell_stride: int = ..., slices: int = ..., ll_max_bytes: int = ...) -> Dict[str, object]: ...
 def call_signature(count: int, dtype: int, op: int, algorithm: int) -> int: ...

@@ -391,6 +391,31 @@ def test_way_choice_is_not_moved_by_calls_that_lost_a_time_slice():
     assert switch <= 512 and ways[switch:].count(1) >= 0.9 * (700 - switch), ways[500:560]
 
 
+def test_way_choice_tries_the_other_way_again_after_a_gap():
+    """A class's calls in bursts of 45 (100 us apart), the bursts 2 s apart, as a message size
+    used now and then (latency_check's rounds). The host changes after burst 3 (of 0-8): staged
+    2.5 / cross-memory 2.2 ns per byte, then 1.0 / 2.2, the way taken keeping its cost (as 2 MB
+    calls on a 2-core AMD EPYC KVM guest: cross-memory about 205 us in either state, staged 90 in
+    one). The other way's time is that of another state after a gap: a trial starts once its newest
+    timed call is 100 ms old, so the first burst of the new state already goes staged (4 calls of
+    it cross-memory: a trial); counted in decisions alone, the trials came 128 decisions apart by
+    then and the whole burst went cross-memory. Calls closer together than 100 ms: as before (the
+    same calls without the gaps take the counted trials only, and stay on cross-memory through
+    burst 4)."""
+    per, gap = 45, 2e9
+    times = [(2.5, 2.2) if b < 4 else (1.0, 2.2) for b in range(9) for _ in range(per)]
+    ends = [b * gap + k * 100e3 for b in range(9) for k in range(per)]
+    ways = _C.way_choice_trace(times, ends)
+    staged = [per - sum(ways[b * per:(b + 1) * per]) for b in range(9)]
+    assert all(s >= per - 6 for s in staged[4:]), staged
+    assert all(s <= 8 for s in staged[:4]), staged  # the old state: a trial of staged per burst at most
+    dense = _C.way_choice_trace(times, [1e3 * j for j in range(len(times))])
+    assert dense == _C.way_choice_trace(times)
+    assert per - sum(dense[4 * per:5 * per]) <= 4, "no gap, no early trial: burst 4 stays cross-memory"
+    with pytest.raises(RuntimeError, match="2 end times for 405 calls"):
+        _C.way_choice_trace(times, [0.0, 1.0])
+
+
 def test_way_choice_holds_to_the_faster_way_when_many_calls_are_slowed():
     """Beside a busy process many calls are slowed, not a few: made-up calls of which 30% take
     1.15-2 times their way's cost and 10% 2-6 times (the leader's own call times of a

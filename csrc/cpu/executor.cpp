@@ -503,18 +503,20 @@ void CpuExecutor::all_reduce(const void* in, void* out, size_t count, DType dtyp
     round(pin + off * c.es, pout + off * c.es, n, c.es, c.in_pool, c.out_pool, c.algorithm, c.sig, fn, c.sc);
   }
   if (ws == nullptr && wa == nullptr) return;
+  const auto t1 = std::chrono::steady_clock::now();
   const double ns_per_byte =
-      static_cast<double>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()) /
+      static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count()) /
       static_cast<double>(c.bytes);
+  const double end_ns =
+      static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1.time_since_epoch()).count());
   const auto publish = [call_no](uint64_t* cell, int next) {
     const uint64_t old = __atomic_load_n(cell, __ATOMIC_RELAXED);
     const uint64_t word = next_way_word(old, call_no, next);  // segment.h: stored only when it changes
     if (word != old) __atomic_store_n(cell, word, __ATOMIC_RELAXED);
   };
-  if (ws != nullptr) publish(plan, ws->after_call(way, ns_per_byte));  // way_choice.h
+  if (ws != nullptr) publish(plan, ws->after_call(way, ns_per_byte, end_ns));  // way_choice.h
   if (wa != nullptr) {
-    const int next = wa->after_call(algo_way, ns_per_byte);
+    const int next = wa->after_call(algo_way, ns_per_byte, end_ns);
     publish(&lh->algo_plan[algo_cls], cfg_.test_algorithm_flip ? 1 - algo_way : next);
   }
 }

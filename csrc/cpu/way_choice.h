@@ -18,6 +18,7 @@ constexpr uint32_t kWayProbeMax = 128;   // ... and the gap doubles after every 
 constexpr uint32_t kWayTrial = 4;        // ... for this many calls in a row
 constexpr uint32_t kWaySettle = 2;       // ... of which the first two are not timed
 constexpr uint32_t kWayWindow = 8;       // a way's time: the least of its last this many timed calls
+constexpr double kWayStaleNs = 100e6;    // the other way's time is stale once its newest timed call is this old
 
 // The size class of a choice (each class has its own WayChoice and plan word): floor(log2(bytes)),
 // at most classes - 1.
@@ -38,6 +39,7 @@ struct WayChoice {
   uint32_t probe_every = 0;           // decisions from then to the next trial (set with `best`)
   uint32_t trial = 0;                 // decisions left in a trial of the other way
   int trial_way = 0;                  // the way on trial (fixed when the trial starts)
+  double timed_at[2] = {0, 0};        // when each way's newest timed call ended (ns, a steady clock)
 
   // A way's time: the least of its last kWayWindow timed calls (0: none yet). A call's time is
   // what the call costs plus whatever else held the core or the line meanwhile (a time slice lost
@@ -57,9 +59,10 @@ struct WayChoice {
     return t;
   }
 
-  // After a call of this class that went `way` and took x ns per byte: the way of the calls from
-  // two calls on (the leader publishes it with way_word; segment.h).
-  int after_call(int way, double x) {
+  // After a call of this class that went `way`, took x ns per byte and ended at now_ns (a steady
+  // clock): the way of the calls from two calls on (the leader publishes it with way_word;
+  // segment.h).
+  int after_call(int way, double x, double now_ns) {
     // A way's first calls in a row are not timed: the first meet the page faults of slots not
     // touched before, and later ones still pay for the caches the other way left (2-core AMD
     // EPYC KVM guest, 2026-12-03: a staged 1 MB call took 850-1150 us the first two times,
@@ -74,15 +77,16 @@ struct WayChoice {
     last = way;
     if (streak == kWaySettle + 1) filled[way] = head[way] = 0;
     if (streak > kWaySettle) {
+      timed_at[way] = now_ns;
       recent[way][head[way]] = x;
       head[way] = (head[way] + 1) % kWayWindow;
       if (filled[way] < kWayWindow) ++filled[way];
     }
-    return decide();
+    return decide(now_ns);
   }
 
  private:
-  int decide() {
+  int decide(double now_ns) {
     // One not yet timed, else the faster, and now and then a trial of the other one
     // (kWayTrial decisions of the way that was the other when the trial began, whatever its timed
     // calls do meanwhile). The first trial comes kWayProbeEvery decisions after the faster way
@@ -91,6 +95,22 @@ struct WayChoice {
     // with a trial every 32 decisions they were 10.5% of the calls (339 of the 3,224 timed 64
     // KB-16 MB calls of one latency_check run). A way that slows down is seen within kWayWindow
     // calls (it is the one timed); one that speeds up while not taken waits for the next trial.
+    //
+    // The gap between trials counts decisions, and a class's calls may come in bursts far apart
+    // (a message size used now and then; latency_check's rounds, each size's calls in turn),
+    // while the state of the host that decides which way is faster changes on a scale of seconds
+    // to minutes (NOTE [streaming stage-in]): after a gap the other way's time may be that of
+    // another state. On a 2-core AMD EPYC (family 25 model 17, AVX-512) KVM guest, 2026-12-04, a
+    // 2 MB two-shot call took 205 us by cross-memory transfers and 90 staged (nvrar-bench, cold,
+    // where a cache line crossed between the CPUs in about 100 ns); in latency_check runs whose
+    // first round of 45 calls per size met the other state (about 500 ns) and the next two the
+    // first, 83-90 of the 135 calls went cross-memory (median 203-206 us, against 84-88 where
+    // most went staged): the first round's way, kept into the next, as trials came up to 128
+    // decisions apart by then (on made-up times of that pattern, tests/test_plan.py, the whole
+    // first burst of the new state went the old way). So a trial also starts once the other
+    // way's newest timed call is kWayStaleNs old, when the way taken has been decided at least
+    // kWayWindow times since the last trial or change: at most one such trial per 100 ms of a
+    // class's calls, and none where its calls come often enough that the count comes first.
     const double a[2] = {time_of(0), time_of(1)};
     int next = a[0] == 0 ? 0 : a[1] == 0 ? 1 : a[0] <= a[1] ? 0 : 1;
     if (a[0] != 0 && a[1] != 0) {
@@ -99,9 +119,10 @@ struct WayChoice {
         probe_every = kWayProbeEvery;
         since = 0;
       }
-      if (trial == 0 && ++since >= probe_every) {
+      const bool stale = since + 1 >= kWayWindow && now_ns - timed_at[1 - next] >= kWayStaleNs;
+      if (trial == 0 && (++since >= probe_every || stale)) {
+        if (since >= probe_every) probe_every = std::min(2 * probe_every, kWayProbeMax);
         since = 0;
-        probe_every = std::min(2 * probe_every, kWayProbeMax);
         trial = kWayTrial;
         trial_way = 1 - next;
       }
@@ -114,17 +135,17 @@ struct WayChoice {
   }
 };
 
-// The ways a class's calls take when call j takes times[j][way] ns per byte, as the executor runs
-// it: call j goes the way the plan word gives it, and the decision after call j holds from call
-// j + 2 on (NOTE [cross-memory or staged]).
-template <typename Times>
-void way_choice_trace(const Times& times, int* out, size_t n) {
+// The ways a class's calls take when call j takes times[j][way] ns per byte and ends at ends(j)
+// ns, as the executor runs it: call j goes the way the plan word gives it, and the decision after
+// call j holds from call j + 2 on (NOTE [cross-memory or staged]).
+template <typename Times, typename Ends>
+void way_choice_trace(const Times& times, const Ends& ends, int* out, size_t n) {
   WayChoice wc;
   uint64_t word = 0;
   for (uint64_t j = 0; j < n; ++j) {
     const int way = way_of(word, j);
     out[j] = way;
-    const int next = wc.after_call(way, times(j, way));
+    const int next = wc.after_call(way, times(j, way), ends(j));
     word = next_way_word(word, j, next);
   }
 }
