@@ -504,6 +504,46 @@ def task_algo_ways(args: dict) -> dict:
     return out
 
 
+def _my_segment_bytes(comm) -> bytes:
+    """The bytes of my own shared-memory segment, read through my mapping of it (its file is
+    unlinked once every rank attached): the mapping /proc/self/maps names after it."""
+    import ctypes
+
+    name = comm._ex.segment_name.lstrip("/")
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if name in line:
+                lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+                return ctypes.string_at(lo, hi - lo)
+    raise AssertionError(f"no mapping of {name} in /proc/self/maps")
+
+
+def task_rotation(args: dict) -> dict:
+    """NOTE [rotating stage-in] (csrc/protocol/round.h): `calls` one-shot calls, then as many
+    two-shot calls staged through the segment (NVRAR_CMA=0), of 8 KB each, every call's input
+    this rank's own (rank * 1000 + call + 0.5); then, per algorithm, how many of those inputs
+    (one-shot: whole; two-shot: the part that is the peer's shard) are still in my segment's file,
+    and whether every result was exact."""
+    comm = nvrar.Communicator(timeout=60)
+    W, r = comm.world_size, comm.rank
+    n, calls = 2048, args["calls"]
+    exact, found = True, {}
+    for algorithm in ("one-shot", "two-shot"):
+        inputs = []
+        for k in range(calls):
+            x = np.full(n, r * 1000 + k + 0.5, np.float32)
+            inputs.append(x.copy())
+            comm.all_reduce(x, algorithm=algorithm)
+            exact = exact and bool(np.all(x == np.float32(sum(q * 1000 + k + 0.5 for q in range(W)))))
+        seg = _my_segment_bytes(comm)
+        half = n // 2 * 4
+        parts = [x.tobytes() if algorithm == "one-shot" else
+                 (x.tobytes()[half:] if r == 0 else x.tobytes()[:half]) for x in inputs]
+        found[algorithm] = sum(p in seg for p in parts)
+    comm.close()
+    return {"found": found, "exact": exact}
+
+
 def task_one_core(args: dict) -> dict:
     """NOTE [sharing a core] (csrc/cpu/executor.cpp): the communicator is made while the ranks may
     run on every core (so it spins before it yields), then every rank moves itself to one core.
@@ -562,7 +602,7 @@ def task_move_apart(args: dict) -> dict:
     return out
 
 
-TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "move_apart": task_move_apart, "crowded": task_crowded, "ways": task_ways, "stage_ways": task_stage_ways, "algo_ways": task_algo_ways, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
+TASKS = {"phase_times": task_phase_times, "one_core": task_one_core, "move_apart": task_move_apart, "crowded": task_crowded, "ways": task_ways, "stage_ways": task_stage_ways, "algo_ways": task_algo_ways, "rotation": task_rotation, "close_race": task_close_race, "matrix": task_matrix, "jitter": task_jitter, "fault": task_fault, "badinput": task_badinput,
          "torchgroup": task_torchgroup, "mismatch_bounds": task_mismatch_bounds, "nan": task_nan, "sigint": task_sigint,
          "closed_peer": task_closed_peer, "stop": task_stop}
 

@@ -429,3 +429,16 @@ def test_stream_copy_writes_exactly_its_bytes():
             assert got[:offset] == b"\xa5" * offset, (offset, length)
             assert got[offset:offset + length] == src, (offset, length)
             assert got[offset + length:] == b"\xa5" * 64, (offset, length)
+
+
+def test_stage_ins_go_round_the_staging_slot():
+    """NOTE [rotating stage-in] (csrc/protocol/round.h): on 2 ranks, ten 8 KB one-shot calls and
+    ten staged two-shot calls (NVRAR_CMA=0), every input different: each call's stage-in took its
+    own piece of the 1 MB staging slot of its parity, so all ten inputs (two-shot: their parts that
+    are the peer's shard) are still in the rank's segment afterwards; written always at the slot's
+    start, only the last two of each would be. Results exact."""
+    from _launch import assert_all_ok, launch
+
+    for rep in assert_all_ok(launch(2, "rotation", {"calls": 10}, env={"NVRAR_CMA": "0"})):
+        assert rep["exact"], rep
+        assert rep["found"] == {"one-shot": 10, "two-shot": 10}, rep

@@ -65,6 +65,9 @@ struct RoundConfig {
   // One rank per node: the inter-node steps start from the input itself (NOTE [start from the
   // input]); an executor whose puts may read any local memory of the caller's sets it (CPU).
   bool start_from_input = false;
+  // NOTE [rotating stage-in]: stage-ins of one slice per chunk go round the staging slot of
+  // their parity instead of always to its start (CPU).
+  bool rotate_staging = false;
 };
 
 // NOTE [landings]: what a rank does with a put it receives in halving-doubling: combine it with
@@ -328,6 +331,44 @@ NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t 
   return true;
 }
 
+// NOTE [rotating stage-in]
+// A one-shot round stages its input in the staging slot of its parity, which the local peers read
+// in their reduce phase (a staged two-shot round: the parts that are the peers' shards); two
+// rounds later the same bytes are written again. Written always at the slot's start, those lines
+// are still in the readers' caches then, so each store first takes its line back from a reader's
+// cache (a read for ownership across the cores), and the readers' reads of the round fetch it
+// back across once more; streaming stores (NOTE [streaming stage-in], csrc/cpu/executor.cpp)
+// avoid the first by writing to memory, and the readers then read from memory. Where the message
+// is smaller than the slot, the rounds of one parity instead take the slot's message-sized pieces
+// in turn, (e / 2) mod pieces: a piece is written again only after the readers have read about a
+// slot's worth since (2 x 1 MB over both parities, kRotateSpan), which has left their caches by
+// then, so the stores find the lines in no other core's cache and the readers fetch them from the
+// writer's. On a 2-core AMD EPYC (family 25 model 17, 1 MB L2 per core) KVM guest, 2026-12-04,
+// where a cache line crossed between the CPUs in about 100 ns: a two-process model of the round
+// (stage-in by memcpy, a flag, the reduce of the input and the peer's piece; medians of 1,800
+// rounds) took 12.3 us at 64 KB with 2 slots in turn (memcpy 9.6 of it), 11.1 with streaming
+// stores, 5.6 with 16 slots in turn and 3.9 with 32; at 128 KB 18.9, 19.7, 9.3 with 8 and 7.6
+// with 16. nvrar's one-shot calls (2 ranks, cold, the leader's choice of stores; medians of 300,
+// two runs each, alternated): 8 / 32 / 64 / 128 / 256 KB 2.5-3.6 / 5.2-5.4 / 8.5-8.9 / 15.1-16.0
+// / 27.7 us before, 2.2 / 3.3 / 4.9-5.2 / 8.4-9.3 / 14.9-18.2 with the pieces. Where the line takes
+// about 500 ns, a store into any line another core held costs more still and streaming stores
+// stay the faster (the leader's choice finds it). Safety is that of the parity slots (NOTE [epoch
+// protocol], plan.h): a piece of parity p written in round e is written next in a round e' >= e +
+// 2, after every reader finished round e; the readers take the piece's offset from my ready flag
+// (its ref), as they took the slot's. The result is the same bits: the same bytes, read in the
+// same order.
+// The pieces lie in the first kRotateSpan bytes of the slot (all of it at the CPU's default 1 MB
+// max_bytes): what has to leave the readers' caches is about this much, and a larger max_bytes
+// would only spread small calls over more pages.
+constexpr size_t kRotateSpan = size_t{1} << 20;
+NVRAR_HD size_t rotated_stage_off(const RoundConfig& cfg, size_t bytes, uint64_t e) {
+  if (!cfg.rotate_staging || cfg.L.B != 1 || bytes == 0) return 0;
+  const size_t stride = (bytes + 63) / 64 * 64;
+  const size_t span = cfg.L.staging_bytes < kRotateSpan ? cfg.L.staging_bytes : kRotateSpan;
+  const size_t pieces = span / stride;
+  return pieces > 1 ? static_cast<size_t>((e >> 1) % pieces) * stride : 0;
+}
+
 // Two-shot round of one slice: stage-in, intra-node reduce-scatter (pushing finished shards
 // straight into the outputs that peers expose), inter-node recursive doubling, all-gather.
 template <typename TP>
@@ -357,7 +398,7 @@ NVRAR_HD bool two_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws
   } else if (use_cma) {
     in_ref = make_ref(kRefCma, reinterpret_cast<uint64_t>(s.in));
   } else {
-    const size_t staging = L.staging(p) + s.chunk_off;
+    const size_t staging = L.staging(p) + s.chunk_off + rotated_stage_off(cfg, s.n * es, e);  // NOTE [rotating stage-in]
     in_ref = make_ref(kRefShm, staging);
     if (G > 1) {
       tp.copy(my + staging, s.in, mine_off);
@@ -516,7 +557,7 @@ NVRAR_HD bool one_shot_round(TP& tp, const RoundConfig& cfg, const Workspace& ws
   const int me = w.local;
   const int b = s.b;
   char* my = tp.my();
-  const size_t staging = L.staging(p) + s.chunk_off;
+  const size_t staging = L.staging(p) + s.chunk_off + rotated_stage_off(cfg, s.n * s.es, e);
 
   // Always staged (even a zero-copy input): without an all-gather, nothing tells me when my peers
   // are done reading, so the buffer they read must be a parity slot (NOTE [epoch protocol]).
