@@ -299,8 +299,8 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
   }
   // NOTE [rotating stage-in] (protocol/round.h): small calls go round the first kRotateSpan bytes
   // of each staging slot, so their pages are mapped here, not by the first few hundred calls (a
-  // page fault in the writer's mapping and another in each reader's: 8 KB one-shot calls took 6-8
-  // us instead of 1.5 while they came). Mine written (the zeros a new segment holds), the local
+  // page fault in the writer's mapping and another in each reader's: 8 KB one-shot calls took 7-8
+  // us instead of 1.2 while they came). Mine written (the zeros a new segment holds), the local
   // peers' read.
   if (where_.G > 1) {
     for (int h = 0; h < where_.G; ++h) {
