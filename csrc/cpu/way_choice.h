@@ -68,14 +68,19 @@ struct WayChoice {
     // EPYC KVM guest, 2026-12-03: a staged 1 MB call took 850-1150 us the first two times,
     // 160-190 us right after cross-memory calls, 100-120 us from the third in a row). So the
     // other way is tried kWayTrial calls in a row, and only calls from the (kWaySettle + 1)-th in
-    // a row count. The first counted call of a streak drops the way's older times: they are as
-    // old as its last streak, and the host may have changed since (same host, 2026-12-04, 2
-    // ranks, cold, medians of 320 calls: the staged way took 7.3 us a 64 KB call in one minute
-    // and 20.5 in another, cross-memory 11.6 and 14.1). A way that slows down while it is taken
-    // is left once all of its last kWayWindow calls are slower than the other's time.
+    // a row count. The first counted call of a streak drops the way's older times where the
+    // newest of them is kWayStaleNs old: the host may have changed since (same host, 2026-12-04,
+    // 2 ranks, cold, medians of 320 calls: the staged way took 7.3 us a 64 KB call in one minute
+    // and 20.5 in another, cross-memory 11.6 and 14.1). Younger ones stay: the way taken comes
+    // back after every trial of the other, and dropping its times there left both ways with one
+    // or two times each, so that noise decided (made-up calls of which 40% are slowed, in bursts
+    // of 50 far apart, tests/test_plan.py: the slower way, 1.5 times as slow, took 14% of the
+    // calls, 8% when they stay; 6% and 3% with the calls packed together). A way that slows
+    // down while it is taken is left once all of its last kWayWindow calls are slower than the
+    // other's time.
     streak = way == last ? streak + 1 : 1;
     last = way;
-    if (streak == kWaySettle + 1) filled[way] = head[way] = 0;
+    if (streak == kWaySettle + 1 && now_ns - timed_at[way] >= kWayStaleNs) filled[way] = head[way] = 0;
     if (streak > kWaySettle) {
       timed_at[way] = now_ns;
       recent[way][head[way]] = x;
