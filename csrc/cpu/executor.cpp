@@ -303,11 +303,11 @@ void CpuExecutor::attach(const std::vector<std::string>& names) {
   // us instead of 1.2 while they came). Mine written (the zeros a new segment holds), the local
   // peers' read.
   if (where_.G > 1) {
+    const size_t span = std::min(layout_.staging_bytes, kRotateSpan);
     for (int h = 0; h < where_.G; ++h) {
       const int r = where_.rank_of(where_.node, h);
-      const size_t span = std::min(layout_.staging_bytes, kRotateSpan);
       for (int p = 0; p < 2; ++p)
-        for (size_t off = 0; off < span; off += 4096) {
+        for (size_t off = 0; off < span; off += SegmentLayout::kPage) {
           char* at = heap_.base(r) + layout_.staging(p) + off;
           if (r == cfg_.rank)
             __atomic_store_n(at, __atomic_load_n(at, __ATOMIC_RELAXED), __ATOMIC_RELAXED);

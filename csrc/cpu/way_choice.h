@@ -30,7 +30,7 @@ inline int size_class(size_t bytes, int classes) {
 
 struct WayChoice {
   double recent[2][kWayWindow] = {};  // [0] staged, [1] cross-memory: ns per byte of timed calls (a ring)
-  uint32_t filled[2] = {0, 0};        // how many of them hold a time of the way's current streak or later
+  uint32_t filled[2] = {0, 0};        // how many of them hold a time (dropped when the newest is kWayStaleNs old)
   uint32_t head[2] = {0, 0};          // where its next time goes
   int last = -1;                      // the way of the last call of this class
   uint32_t streak = 0;                // calls in a row that took it (the first kWaySettle are not timed)

@@ -363,7 +363,7 @@ NVRAR_HD bool inter_node_round(TP& tp, const RoundConfig& cfg, size_t n, size_t 
 constexpr size_t kRotateSpan = size_t{1} << 20;
 NVRAR_HD size_t rotated_stage_off(const RoundConfig& cfg, size_t bytes, uint64_t e) {
   if (!cfg.rotate_staging || cfg.L.B != 1 || bytes == 0) return 0;
-  const size_t stride = (bytes + 63) / 64 * 64;
+  const size_t stride = align_up(bytes, 64);
   const size_t span = cfg.L.staging_bytes < kRotateSpan ? cfg.L.staging_bytes : kRotateSpan;
   const size_t pieces = span / stride;
   return pieces > 1 ? static_cast<size_t>((e >> 1) % pieces) * stride : 0;
